@@ -1,0 +1,308 @@
+"""MNIST / Fashion-MNIST: verified IDX files, download with md5, tf.data pipeline.
+
+Files live in `data/<dataset>/` (the cache folder, git-ignored). Present files
+are checked by size and, once, by md5 (the result is cached in
+`.verified.json` beside them, keyed by size and mtime). Missing files are
+fetched from public mirrors in order, written to a temporary file and renamed
+only after the md5 matches, so a failed download never leaves a file behind.
+"""
+import gzip
+import hashlib
+import json
+import os
+import struct
+import tempfile
+import urllib.error
+import urllib.request
+
+import numpy as np
+import tensorflow as tf
+
+IMAGE_MAGIC = 2051   # 0x00000803: unsigned byte, 3 dimensions
+LABEL_MAGIC = 2049   # 0x00000801: unsigned byte, 1 dimension
+MAX_SHIFT = 2        # the paper's augmentation: shifts of up to 2 pixels
+
+# name -> (file name, md5 of the .gz, size in bytes), as published.
+DATASETS = {
+    "mnist": {
+        "files": {
+            "train_images": ("train-images-idx3-ubyte.gz",
+                             "f68b3c2dcbeaaa9fbdd348bbdeb94873", 9912422),
+            "train_labels": ("train-labels-idx1-ubyte.gz",
+                             "d53e105ee54ea40749a09fcbcd1e9432", 28881),
+            "test_images": ("t10k-images-idx3-ubyte.gz",
+                            "9fb629c4189551a2d022fa330f9573f3", 1648877),
+            "test_labels": ("t10k-labels-idx1-ubyte.gz",
+                            "ec29112dd5afa0611ce80d1b7f02629c", 4542),
+        },
+        "mirrors": [
+            "https://ossci-datasets.s3.amazonaws.com/mnist/",
+            "https://storage.googleapis.com/cvdf-datasets/mnist/",
+            "http://yann.lecun.com/exdb/mnist/",
+        ],
+    },
+    "fashion_mnist": {
+        "files": {
+            "train_images": ("train-images-idx3-ubyte.gz",
+                             "8d4fb7e6c68d591d4c3dfef9ec88bf0d", 26421880),
+            "train_labels": ("train-labels-idx1-ubyte.gz",
+                             "25c81989df183df01b3e8a0aad5dffbe", 29515),
+            "test_images": ("t10k-images-idx3-ubyte.gz",
+                            "bef4ecab320f06d8554ea6380940ec79", 4422102),
+            "test_labels": ("t10k-labels-idx1-ubyte.gz",
+                            "bb300cfdad3c16e7a12a480ee83cd310", 5148),
+        },
+        "mirrors": [
+            "http://fashion-mnist.s3-website.eu-central-1.amazonaws.com/",
+            "https://storage.googleapis.com/tensorflow/tf-keras-datasets/",
+            "https://github.com/zalandoresearch/fashion-mnist/raw/master/data/fashion/",
+        ],
+    },
+}
+_VERIFIED = ".verified.json"
+
+
+class DataError(ValueError):
+  """A data file is missing, corrupt or cannot be fetched."""
+
+
+def read_idx(path, magic):
+  """Reads a gzipped IDX file of unsigned bytes.
+
+  Args:
+    path: the `.gz` file.
+    magic: IMAGE_MAGIC (returns `[n, rows, cols]`) or LABEL_MAGIC (`[n]`).
+  Returns: a uint8 numpy array.
+  Raises:
+    DataError: unreadable gzip, wrong magic number, or a byte count that does
+      not match the header; the message names the file.
+  """
+  try:
+    with gzip.open(path, "rb") as f:
+      raw = f.read()
+  except (OSError, EOFError) as e:
+    raise DataError(f"{path}: not a readable gzip file ({e})") from e
+  if len(raw) < 8:
+    raise DataError(f"{path}: {len(raw)} bytes, too short for an IDX header")
+  got_magic, = struct.unpack(">I", raw[:4])
+  if got_magic != magic:
+    raise DataError(f"{path}: IDX magic number {got_magic}, expected {magic}")
+  ndim = magic & 0xFF
+  header = 4 + 4 * ndim
+  if len(raw) < header:
+    raise DataError(f"{path}: {len(raw)} bytes, too short for a {ndim}-d IDX header")
+  dims = struct.unpack(f">{ndim}I", raw[4:header])
+  expected = int(np.prod(dims))
+  if len(raw) - header != expected:
+    raise DataError(f"{path}: header says {'x'.join(map(str, dims))} = "
+                    f"{expected} bytes of data, file has {len(raw) - header}")
+  return np.frombuffer(raw, np.uint8, offset=header).reshape(dims)
+
+
+def md5_of(path):
+  h = hashlib.md5()
+  with open(path, "rb") as f:
+    for chunk in iter(lambda: f.read(1 << 20), b""):
+      h.update(chunk)
+  return h.hexdigest()
+
+
+def _load_verified(data_dir):
+  try:
+    with open(os.path.join(data_dir, _VERIFIED)) as f:
+      return json.load(f)
+  except (OSError, ValueError):
+    return {}
+
+
+def _save_verified(data_dir, verified):
+  tmp = os.path.join(data_dir, _VERIFIED + ".tmp")
+  with open(tmp, "w") as f:
+    json.dump(verified, f, indent=1)
+  os.replace(tmp, os.path.join(data_dir, _VERIFIED))
+
+
+def _check_present(path, md5, size, verified):
+  """Size always, md5 unless cached for this size and mtime. Raises DataError."""
+  st = os.stat(path)
+  if st.st_size != size:
+    raise DataError(f"{path}: {st.st_size} bytes, expected {size}; the file is "
+                    "corrupt or from another data set (delete it to fetch again)")
+  if verified.get(os.path.basename(path)) == _stamp(path, md5):
+    return False
+  got = md5_of(path)
+  if got != md5:
+    raise DataError(f"{path}: md5 {got}, expected {md5}; the file is corrupt "
+                    "(delete it to fetch again)")
+  verified[os.path.basename(path)] = _stamp(path, md5)
+  return True
+
+
+def _stamp(path, md5):
+  st = os.stat(path)
+  return [st.st_size, st.st_mtime_ns, md5]
+
+
+def download(url, path, md5, timeout=30.0):
+  """Fetches `url` to `path` via a temporary file, kept only if md5 matches.
+
+  Raises:
+    DataError: on a network error or an md5 mismatch; nothing is left behind.
+  """
+  folder = os.path.dirname(os.path.abspath(path))
+  fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".part",
+                             dir=folder)
+  try:
+    h = hashlib.md5()
+    with os.fdopen(fd, "wb") as out, \
+        urllib.request.urlopen(url, timeout=timeout) as response:
+      for chunk in iter(lambda: response.read(1 << 20), b""):
+        h.update(chunk)
+        out.write(chunk)
+    if h.hexdigest() != md5:
+      raise DataError(f"{url}: md5 {h.hexdigest()}, expected {md5}")
+    os.replace(tmp, path)
+  except (OSError, urllib.error.URLError) as e:   # HTTPError is a URLError
+    raise DataError(f"{url}: {e}") from e
+  finally:
+    if os.path.exists(tmp):
+      os.remove(tmp)
+
+
+def ensure_files(dataset, data_dir, download_missing=True, mirrors=None,
+                 timeout=30.0):
+  """Makes sure the four files of `dataset` are in `data_dir` and verified.
+
+  Args:
+    dataset: a key of DATASETS.
+    data_dir: the folder holding (or to receive) the `.gz` files.
+    download_missing: fetch missing files from the mirrors.
+    mirrors: base URLs to try in order (default: the data set's own).
+  Returns: dict from "train_images" etc. to file paths.
+  Raises:
+    DataError: unknown data set, a corrupt file, or files that are missing
+      and could not be fetched (the message lists them and says how to
+      supply them).
+  """
+  if dataset not in DATASETS:
+    raise DataError(f"unknown dataset {dataset!r}, expected one of {sorted(DATASETS)}")
+  spec = DATASETS[dataset]
+  mirrors = spec["mirrors"] if mirrors is None else mirrors
+  os.makedirs(data_dir, exist_ok=True)
+  verified = _load_verified(data_dir)
+  changed, paths, missing = False, {}, []
+  for key, (name, md5, size) in spec["files"].items():
+    path = paths[key] = os.path.join(data_dir, name)
+    if os.path.exists(path):
+      changed |= _check_present(path, md5, size, verified)
+    else:
+      missing.append((name, md5))
+  failures = []
+  if missing and download_missing:
+    still = []
+    for name, md5 in missing:
+      path = os.path.join(data_dir, name)
+      for base in mirrors:
+        try:
+          download(base + name, path, md5, timeout)
+          break
+        except DataError as e:
+          failures.append(str(e))
+      if os.path.exists(path):   # download() checked the md5
+        verified[name] = _stamp(path, md5)
+        changed = True
+      else:
+        still.append((name, md5))
+    missing = still
+  if changed:
+    _save_verified(data_dir, verified)
+  if missing:
+    names = ", ".join(n for n, _ in missing)
+    why = (f"download failed ({'; '.join(failures[-3:])})" if download_missing
+           else "downloads are off (--download=false)")
+    raise DataError(
+        f"missing {names} in {data_dir}: {why}. Copy the original {dataset} "
+        f"files there, or pass --data_dir pointing at a folder that has them")
+  return paths
+
+
+def load(dataset, data_dir, val_size=5000, download_missing=True, mirrors=None):
+  """Loads the splits: train (first 60000 - val_size), validation (last
+  val_size of the training file), test (the official test file).
+
+  Returns: dict split -> (images `[n, rows, cols, 1]` uint8, labels `[n]` int32).
+  Raises:
+    DataError: see `ensure_files` and `read_idx`; also a bad `val_size`.
+  """
+  paths = ensure_files(dataset, data_dir, download_missing, mirrors)
+  arrays = {}
+  for split in ("train", "test"):
+    images = read_idx(paths[f"{split}_images"], IMAGE_MAGIC)
+    labels = read_idx(paths[f"{split}_labels"], LABEL_MAGIC)
+    if len(images) != len(labels):
+      raise DataError(f"{paths[f'{split}_images']}: {len(images)} images but "
+                      f"{paths[f'{split}_labels']} has {len(labels)} labels")
+    arrays[split] = (images[..., None], labels.astype(np.int32))
+  train_x, train_y = arrays["train"]
+  if not 0 <= val_size < len(train_x):
+    raise DataError(f"val_size={val_size}: expected 0 <= val_size < "
+                    f"{len(train_x)} (the training file's size)")
+  cut = len(train_x) - val_size
+  return {"train": (train_x[:cut], train_y[:cut]),
+          "validation": (train_x[cut:], train_y[cut:]),
+          "test": arrays["test"]}
+
+
+def epoch_order(n, seed, epoch):
+  """The training order of epoch `epoch`: a permutation fixed by (seed, epoch)."""
+  return np.random.RandomState([seed, epoch]).permutation(n)
+
+
+def random_shift(images, seed, max_shift=MAX_SHIFT):
+  """Shifts each image by its own random (dy, dx) in [-max_shift, max_shift],
+  filling with zeros: an exact translation.
+
+  Args:
+    images: `[batch, rows, cols, channels]`.
+    seed: int32/int64 `[2]` seed of the stateless generator.
+  Returns: `(shifted images, shifts [batch, 2] int32)`.
+  """
+  rows, cols = images.shape[1], images.shape[2]
+  shifts = tf.random.stateless_uniform([tf.shape(images)[0], 2], seed, -max_shift,
+                                       max_shift + 1, dtype=tf.int32)
+  pad = [[0, 0], [max_shift, max_shift], [max_shift, max_shift], [0, 0]]
+  padded = tf.pad(images, pad)
+  # Output pixel (y, x) takes padded pixel (y + max_shift - dy, x + max_shift - dx).
+  row_idx = tf.range(rows)[None, :] + (max_shift - shifts[:, :1])
+  col_idx = tf.range(cols)[None, :] + (max_shift - shifts[:, 1:])
+  out = tf.gather(padded, row_idx, axis=1, batch_dims=1)
+  out = tf.gather(out, col_idx, axis=2, batch_dims=1)
+  return out, shifts
+
+
+def make_dataset(images, labels, batch_size, augment=False, seed=0,
+                 drop_remainder=False, prefetch=2):
+  """A batched tf.data pipeline over in-memory arrays (or tensors fed at
+  iterator initialisation) in the order given; the trainer passes each epoch's
+  permutation (`epoch_order`).
+
+  Args:
+    images: `[n, rows, cols, channels]` uint8.
+    labels: `[n]` int.
+    augment: random shifts of up to 2 pixels (training only).
+    seed: int or scalar int64 tensor; the augmentation of batch k uses the
+      stateless seed (seed, k), so a run is reproducible and resumable.
+    drop_remainder: False (evaluation) keeps the last partial batch.
+  Yields: `(images [batch, rows, cols, channels] float32 in [0, 1],
+    labels [batch] int32)`.
+  """
+  ds = tf.data.Dataset.from_tensor_slices((images, labels))
+  ds = ds.batch(batch_size, drop_remainder=drop_remainder).enumerate()
+
+  def prepare(k, batch):
+    x, y = batch
+    if augment:
+      x, _ = random_shift(x, tf.stack([tf.cast(seed, tf.int64), k]))
+    return tf.cast(x, tf.float32) / 255.0, tf.cast(y, tf.int32)
+  ds = ds.map(prepare, num_parallel_calls=tf.data.AUTOTUNE)
+  return ds.prefetch(prefetch)

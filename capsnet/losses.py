@@ -1,0 +1,31 @@
+"""Losses of Sabour et al. 2017, per example; the caller takes the batch mean."""
+import tensorflow as tf
+
+
+def margin_loss(lengths, labels, m_plus=0.9, m_minus=0.1, down_weight=0.5):
+  """Margin loss (Eq. 4), summed over classes.
+
+  `L_k = T_k max(0, m+ - |v_k|)^2 + lambda (1 - T_k) max(0, |v_k| - m-)^2`.
+
+  Args:
+    lengths: `[batch, num_classes]` capsule lengths, in [0, 1).
+    labels: `[batch]` int class ids.
+    m_plus, m_minus, down_weight: m+, m- and lambda of Eq. 4.
+  Returns: `[batch]` per-example loss.
+  """
+  t = tf.one_hot(labels, lengths.shape[-1], dtype=lengths.dtype)
+  present = tf.square(tf.nn.relu(m_plus - lengths))
+  absent = tf.square(tf.nn.relu(lengths - m_minus))
+  return tf.reduce_sum(t * present + down_weight * (1.0 - t) * absent, axis=-1)
+
+
+def reconstruction_loss(reconstructions, images, weight=0.0005):
+  """`weight` times the sum of squared pixel errors (Section 4.1).
+
+  Args:
+    reconstructions: `[batch, pixels]` decoder output.
+    images: `[batch, height, width, channels]` inputs in [0, 1].
+  Returns: `[batch]` per-example loss.
+  """
+  target = tf.reshape(images, tf.shape(reconstructions))
+  return weight * tf.reduce_sum(tf.square(reconstructions - target), axis=-1)

@@ -1,0 +1,240 @@
+"""CapsNet graph builder: config, forward pass, towers and gradient averaging.
+
+Knows nothing about paths, sessions or flags: `forward` takes tensors and a
+`ModelConfig`, so tests build small graphs directly.
+"""
+import collections
+import dataclasses
+
+import tensorflow as tf
+
+from capsnet import layers
+from capsnet import losses
+
+# Fields that fix the variables (names and shapes) of a model. A checkpoint
+# only restores into a graph that agrees on all of them.
+ARCH_FIELDS = ("image_size", "image_channels", "num_classes", "conv1_channels",
+               "conv1_kernel", "primary_types", "primary_dim", "primary_kernel",
+               "primary_stride", "digit_dim", "decoder_units", "use_decoder",
+               "dtype")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """CapsNet hyperparameters; defaults are the paper's MNIST model."""
+  image_size: int = 28           # input height = width
+  image_channels: int = 1
+  num_classes: int = 10          # = number of DigitCaps
+  conv1_channels: int = 256      # Conv1: 256 9x9 filters, stride 1, ReLU
+  conv1_kernel: int = 9
+  primary_types: int = 32        # capsule types in PrimaryCaps
+  primary_dim: int = 8           # dimension of a primary capsule
+  primary_kernel: int = 9
+  primary_stride: int = 2
+  digit_dim: int = 16            # dimension of a DigitCaps capsule
+  iter_routing: int = 3          # r in Procedure 1
+  stop_gradient: bool = True     # inner routing iterations read stop_gradient(u_hat)
+  m_plus: float = 0.9            # margin loss m+
+  m_minus: float = 0.1           # margin loss m-
+  down_weight: float = 0.5       # margin loss lambda for absent classes
+  decoder_units: tuple = (512, 1024)  # hidden layers; output is the image
+  use_decoder: bool = True
+  recon_weight: float = 0.0005   # scales the *sum* of squared errors
+  dtype: str = "float32"         # variables and routing: float32 or float64
+  precision: str = "fp32"        # fp32, or bf16: convs and matmuls in bfloat16
+  conv_impl: str = "conv2d"      # PrimaryCaps conv: conv2d or gemm (patches x W)
+
+  def __post_init__(self):
+    object.__setattr__(self, "decoder_units", tuple(self.decoder_units))
+    for name in ("image_size", "image_channels", "num_classes",
+                 "conv1_channels", "conv1_kernel", "primary_types",
+                 "primary_dim", "primary_kernel", "primary_stride",
+                 "digit_dim", "iter_routing"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"ModelConfig.{name} must be a positive int, "
+                         f"got {value!r}")
+    for name in ("stop_gradient", "use_decoder"):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(f"ModelConfig.{name} must be True or False, "
+                         f"got {getattr(self, name)!r}")
+    if not all(isinstance(u, int) and u > 0 for u in self.decoder_units):
+      raise ValueError("ModelConfig.decoder_units must be positive ints, "
+                       f"got {self.decoder_units!r}")
+    if not 0.0 < self.m_plus <= 1.0:
+      raise ValueError(f"ModelConfig.m_plus must be in (0, 1], got {self.m_plus!r}")
+    if not 0.0 <= self.m_minus < self.m_plus:
+      raise ValueError("ModelConfig.m_minus must be in [0, m_plus), "
+                       f"got {self.m_minus!r}")
+    for name in ("down_weight", "recon_weight"):
+      if not getattr(self, name) >= 0.0:
+        raise ValueError(f"ModelConfig.{name} must be >= 0, "
+                         f"got {getattr(self, name)!r}")
+    choices = {"dtype": ("float32", "float64"), "precision": ("fp32", "bf16"),
+               "conv_impl": ("conv2d", "gemm")}
+    for name, allowed in choices.items():
+      if getattr(self, name) not in allowed:
+        raise ValueError(f"ModelConfig.{name} must be one of {allowed}, "
+                         f"got {getattr(self, name)!r}")
+    if self.precision == "bf16" and self.dtype != "float32":
+      raise ValueError("ModelConfig.precision='bf16' needs dtype='float32', "
+                       f"got dtype={self.dtype!r}")
+    if self.primary_size < 1:
+      raise ValueError(
+          f"ModelConfig.image_size={self.image_size} is too small for "
+          f"conv1_kernel={self.conv1_kernel} and primary_kernel="
+          f"{self.primary_kernel}: PrimaryCaps would have no positions")
+
+  @property
+  def conv1_size(self):
+    return self.image_size - self.conv1_kernel + 1
+
+  @property
+  def primary_size(self):
+    return (self.conv1_size - self.primary_kernel) // self.primary_stride + 1
+
+  @property
+  def in_caps(self):
+    """Number of primary capsules (1152 for the paper's MNIST model)."""
+    return self.primary_size ** 2 * self.primary_types
+
+  @property
+  def num_pixels(self):
+    return self.image_size ** 2 * self.image_channels
+
+
+def arch_differences(a, b):
+  """Names of the ARCH_FIELDS on which two config dicts disagree."""
+  return [f for f in ARCH_FIELDS if _normal(a.get(f)) != _normal(b.get(f))]
+
+
+def _normal(value):
+  return tuple(value) if isinstance(value, list) else value
+
+
+Outputs = collections.namedtuple("Outputs", [
+    "v",                # [batch, num_classes, digit_dim] DigitCaps
+    "lengths",          # [batch, num_classes] capsule lengths
+    "predictions",      # [batch] int32 argmax of lengths
+    "reconstructions",  # [batch, num_pixels] decoder output, or None
+    "c",                # [batch, in_caps, num_classes] last coupling coeffs
+    "u_hat",            # [batch, num_classes, in_caps, digit_dim]
+    "margin_loss",      # [batch]
+    "recon_loss",       # [batch] (zeros without decoder)
+    "loss",             # scalar: batch mean of margin + reconstruction
+    "accuracy",         # scalar
+])
+
+
+def forward(images, labels, cfg, training):
+  """Builds CapsNet on `images` in variable scope `capsnet` (AUTO_REUSE).
+
+  Calling it again (another tower, an eval graph) reuses the same variables.
+
+  Args:
+    images: `[batch, image_size, image_size, image_channels]` in [0, 1].
+    labels: `[batch]` int class ids.
+    cfg: a `ModelConfig`.
+    training: if True the decoder sees the capsules masked by the true label,
+      otherwise by the predicted class.
+  Returns: an `Outputs` tuple.
+  Raises:
+    ValueError: if `images` does not have the configured shape.
+  """
+  expected = [cfg.image_size, cfg.image_size, cfg.image_channels]
+  if images.shape.rank != 4 or images.shape[1:].as_list() != expected:
+    raise ValueError(f"forward: images must be [batch, {expected[0]}, "
+                     f"{expected[1]}, {expected[2]}], got shape {images.shape}")
+  dtype = tf.as_dtype(cfg.dtype)
+  compute = tf.bfloat16 if cfg.precision == "bf16" else None
+  images = tf.cast(images, dtype)
+  labels = tf.cast(labels, tf.int32)
+  with tf.compat.v1.variable_scope("capsnet", reuse=tf.compat.v1.AUTO_REUSE):
+    x = layers.conv1(images, cfg.conv1_channels, cfg.conv1_kernel, compute)
+    u = layers.primary_caps(x, cfg.primary_types, cfg.primary_dim,
+                            cfg.primary_kernel, cfg.primary_stride, compute,
+                            cfg.conv_impl)            # [b, i, k]
+    v, c, u_hat = layers.digit_caps(u, cfg.num_classes, cfg.digit_dim,
+                                    cfg.iter_routing, cfg.stop_gradient,
+                                    compute)
+    lengths = layers.routing.safe_norm(v)            # [b, o]
+    predictions = tf.argmax(lengths, axis=1, output_type=tf.int32)
+    margin = losses.margin_loss(lengths, labels, cfg.m_plus, cfg.m_minus,
+                                cfg.down_weight)
+    if cfg.use_decoder:
+      mask = tf.one_hot(labels if training else predictions, cfg.num_classes,
+                        dtype=dtype)                  # [b, o]
+      masked = tf.reshape(v * mask[..., None], [-1, cfg.num_classes * cfg.digit_dim])
+      recon = layers.decoder(masked, cfg.decoder_units, cfg.num_pixels, compute)
+      recon_loss = losses.reconstruction_loss(recon, images, cfg.recon_weight)
+    else:
+      recon = None
+      recon_loss = tf.zeros_like(margin)
+    loss = tf.reduce_mean(margin + recon_loss, name="loss")
+    accuracy = tf.reduce_mean(
+        tf.cast(tf.equal(predictions, labels), dtype), name="accuracy")
+  return Outputs(v, lengths, predictions, recon, c, u_hat, margin, recon_loss,
+                 loss, accuracy)
+
+
+def _variable_device(variable_device, compute_device):
+  """Device function: variables on `variable_device`, other ops on `compute_device`."""
+  var_ops = {"Variable", "VariableV2", "VarHandleOp", "AutoReloadVariable"}
+
+  def place(op):
+    if op.device:
+      return op.device
+    return variable_device if op.type in var_ops else compute_device
+  return place
+
+
+def tower_gradients(images, labels, cfg, optimizer, devices,
+                    variable_device="/cpu:0"):
+  """Splits the batch over towers and computes each tower's gradients.
+
+  Towers are `tower_{i}` name scopes over one reused `capsnet` variable
+  scope, so variable names do not depend on the number of towers. With one
+  device the variables live on that device, with several on
+  `variable_device` (as in the multi-GPU CIFAR-10 example).
+
+  Args:
+    images, labels: the whole batch; its size must divide by len(devices).
+    devices: one device string per tower, e.g. ["/gpu:0", "/gpu:1"].
+  Returns:
+    grads_and_vars: gradients averaged over the towers.
+    outputs: list of per-tower `Outputs`.
+  """
+  if not devices:
+    raise ValueError("tower_gradients: need at least one device")
+  n = len(devices)
+  image_parts = tf.split(images, n) if n > 1 else [images]
+  label_parts = tf.split(labels, n) if n > 1 else [labels]
+  all_grads, outputs = [], []
+  for i, device in enumerate(devices):
+    var_device = device if n == 1 else variable_device
+    with tf.compat.v1.device(_variable_device(var_device, device)), \
+        tf.name_scope(f"tower_{i}"):
+      out = forward(image_parts[i], label_parts[i], cfg, training=True)
+      all_grads.append(optimizer.compute_gradients(
+          out.loss, colocate_gradients_with_ops=True))
+      outputs.append(out)
+  if n == 1:
+    return all_grads[0], outputs
+  with tf.device(variable_device):
+    return average_gradients(all_grads), outputs
+
+
+def average_gradients(tower_grads):
+  """Averages gradients over towers.
+
+  Args:
+    tower_grads: one list of (gradient, variable) pairs per tower, all with
+      the variables in the same order.
+  Returns: one list of (mean gradient, variable) pairs.
+  """
+  averaged = []
+  for pairs in zip(*tower_grads):
+    grads = [g for g, _ in pairs if g is not None]
+    mean = tf.add_n(grads) / float(len(grads)) if grads else None
+    averaged.append((mean, pairs[0][1]))
+  return averaged

@@ -1,0 +1,87 @@
+"""Squash (Eq. 1) and dynamic routing (Procedure 1) of Sabour et al. 2017.
+
+Tensor in, tensor out: this module owns no variables and reads no config.
+
+Layout. The prediction vectors are kept as `u_hat[batch, out_caps, in_caps,
+out_dim]` ("boid"): batch and output capsule lead, so both routing products
+(the weighted sum `s_j = sum_i c_ij u_hat_j|i` and the agreement
+`u_hat_j|i . v_j`) are plain batched matmuls with no transpose of the large
+`u_hat` tensor. The routing logits `b` and coefficients `c` are
+`[batch, out_caps, in_caps]` inside the loop; `dynamic_routing` returns `c` as
+`[batch, in_caps, out_caps]`, the paper's `c_ij` (i = input, j = output).
+"""
+import tensorflow as tf
+
+# Added under the square root of |s|^2 so that |s| and its gradient stay finite
+# at s = 0 (the official `_squash` divides by |s| and gives NaN there). At
+# |s|^2 >= 1e-6 the change in the value is below 1e-6 relative.
+_NORM_EPS = 1e-12
+
+
+def safe_norm(x, axis=-1, keepdims=False):
+  """Euclidean norm along `axis` with a finite gradient at the zero vector."""
+  return tf.sqrt(tf.reduce_sum(tf.square(x), axis=axis, keepdims=keepdims)
+                 + _NORM_EPS)
+
+
+def squash(s, axis=-1):
+  """Squash non-linearity (Eq. 1): `|s|^2 / (1 + |s|^2) * s / |s|`.
+
+  Keeps the direction of `s` and maps its length into [0, 1). Value and
+  gradient are finite (both zero) at `s = 0`.
+
+  Args:
+    s: `[..., dim]` capsule input vectors.
+    axis: the capsule dimension.
+  Returns: a tensor of the shape of `s`.
+  """
+  with tf.name_scope("squash"):
+    sq = tf.reduce_sum(tf.square(s), axis=axis, keepdims=True)
+    norm = tf.sqrt(sq + _NORM_EPS)
+    return s * (sq / ((1.0 + sq) * norm))
+
+
+def dynamic_routing(u_hat, num_iters, stop_gradient=True):
+  """Routing by agreement (Procedure 1), unrolled in Python.
+
+  One `variable_scope("iter_{r}")` per iteration. The logits `b` start at zero
+  for every example (never shared across the batch); `c = softmax(b)` over the
+  output capsules. With `stop_gradient=True` the inner iterations
+  (r < num_iters - 1) read `tf.stop_gradient(u_hat)`: their forward values are
+  unchanged, but no gradient flows through the coupling coefficients, so the
+  loss reaches `u_hat` only through the last weighted sum
+  `s = sum_i c_ij u_hat_j|i` with `c` acting as a constant. With
+  `stop_gradient=False` every iteration reads the live `u_hat`.
+
+  Args:
+    u_hat: `[batch, out_caps, in_caps, out_dim]` prediction vectors.
+    num_iters: number of routing iterations r >= 1.
+    stop_gradient: whether the inner iterations read a stopped `u_hat`.
+  Returns:
+    v: `[batch, out_caps, out_dim]` output capsules (squashed).
+    c: `[batch, in_caps, out_caps]` coupling coefficients of the last
+      iteration; they sum to 1 over `out_caps`.
+  Raises:
+    ValueError: if `u_hat` is not rank 4 or `num_iters < 1`.
+  """
+  if u_hat.shape.rank != 4:
+    raise ValueError("dynamic_routing: u_hat must be [batch, out_caps, "
+                     f"in_caps, out_dim], got shape {u_hat.shape}")
+  if num_iters < 1:
+    raise ValueError(f"dynamic_routing: num_iters must be >= 1, got {num_iters}")
+  with tf.compat.v1.variable_scope("routing"):
+    u_hat_stopped = (tf.stop_gradient(u_hat, name="u_hat_stopped")
+                     if stop_gradient else u_hat)
+    b = tf.zeros_like(u_hat[..., 0])                # [batch, out_caps, in_caps]
+    for r in range(num_iters):
+      with tf.compat.v1.variable_scope(f"iter_{r}"):
+        last = r == num_iters - 1
+        u = u_hat if last else u_hat_stopped
+        c = tf.nn.softmax(b, axis=1, name="c")      # [batch, out_caps, in_caps]
+        s = tf.squeeze(tf.matmul(c[:, :, None, :], u), axis=2,
+                       name="s")                    # [batch, out_caps, out_dim]
+        v = squash(s)                               # [batch, out_caps, out_dim]
+        if not last:
+          agreement = tf.squeeze(tf.matmul(u, v[..., None]), axis=3)
+          b = tf.add(b, agreement, name="b")        # [batch, out_caps, in_caps]
+    return v, tf.transpose(c, [0, 2, 1], name="c_ij")

@@ -1,0 +1,175 @@
+"""Model structure, losses, decoder masking, config validation, precision."""
+import dataclasses
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from capsnet import layers
+from capsnet import losses
+from capsnet import model
+
+
+def _count_params(cfg):
+  with tf.Graph().as_default():
+    images = tf.compat.v1.placeholder(tf.float32, [None, 28, 28, 1])
+    model.forward(images, tf.zeros([1], tf.int32), cfg, training=True)
+    return sum(int(np.prod(v.shape)) for v in tf.compat.v1.trainable_variables())
+
+
+def test_paper_parameter_counts():
+  assert _count_params(model.ModelConfig(use_decoder=False)) == 6_804_224
+  assert _count_params(model.ModelConfig()) == 8_215_568
+
+
+def test_paper_shapes_and_derived_sizes():
+  cfg = model.ModelConfig()
+  assert (cfg.conv1_size, cfg.primary_size, cfg.in_caps) == (20, 6, 1152)
+  with tf.Graph().as_default():
+    out = model.forward(tf.zeros([2, 28, 28, 1]), tf.zeros([2], tf.int32),
+                        cfg, training=False)
+    assert out.u_hat.shape.as_list() == [2, 10, 1152, 16]
+    assert out.v.shape.as_list() == [2, 10, 16]
+    assert out.c.shape.as_list() == [2, 1152, 10]
+    assert out.reconstructions.shape.as_list() == [2, 784]
+    w = [v for v in tf.compat.v1.global_variables() if "digit_caps" in v.name]
+    assert [v.shape.as_list() for v in w] == [[1152, 10, 8, 16]]
+
+
+def test_other_image_sizes_and_channels_build():
+  cfg = model.ModelConfig(image_size=40, image_channels=3)
+  assert cfg.in_caps == 12 * 12 * 32
+  with tf.Graph().as_default():
+    out = model.forward(tf.zeros([1, 40, 40, 3]), tf.zeros([1], tf.int32),
+                        cfg, training=True)
+    assert out.u_hat.shape.as_list() == [1, 10, 4608, 16]
+    assert out.reconstructions.shape.as_list() == [1, 40 * 40 * 3]
+
+
+def test_margin_loss_hand_computed():
+  lengths = np.array([[0.95, 0.3, 0.05], [0.2, 0.5, 0.7]])
+  labels = np.array([0, 2])
+  # ex 0: target 0.95 >= 0.9 -> 0; 0.5*(0.3-0.1)^2 = 0.02; 0.05 < 0.1 -> 0.
+  # ex 1: 0.5*(0.1)^2 + 0.5*(0.4)^2 = 0.085; target (0.9-0.7)^2 = 0.04.
+  with tf.Graph().as_default(), tf.compat.v1.Session() as sess:
+    got = sess.run(losses.margin_loss(tf.constant(lengths), tf.constant(labels)))
+  np.testing.assert_allclose(got, [0.02, 0.125], rtol=1e-12)
+
+
+def test_reconstruction_loss_hand_computed():
+  images = np.zeros([2, 2, 2, 1])
+  images[0, 0, 0, 0] = 1.0
+  recon = np.full([2, 4], 0.5)
+  # ex 0: 0.25 * 4 = 1.0 -> 0.0005; ex 1: same.
+  with tf.Graph().as_default(), tf.compat.v1.Session() as sess:
+    got = sess.run(losses.reconstruction_loss(tf.constant(recon), tf.constant(images)))
+  np.testing.assert_allclose(got, [0.0005, 0.0005], rtol=1e-12)
+
+
+def test_total_loss_is_batch_mean_of_terms(tiny_cfg):
+  rng = np.random.RandomState(0)
+  with tf.Graph().as_default(), tf.compat.v1.Session() as sess:
+    out = model.forward(tf.constant(rng.rand(4, 12, 12, 1)),
+                        tf.constant([0, 1, 2, 1]), tiny_cfg, training=True)
+    sess.run(tf.compat.v1.global_variables_initializer())
+    m, r, total, acc, lengths, preds = sess.run(
+        [out.margin_loss, out.recon_loss, out.loss, out.accuracy,
+         out.lengths, out.predictions])
+  assert m.shape == (4,) and r.shape == (4,)
+  np.testing.assert_allclose(total, np.mean(m + r), rtol=1e-12)
+  np.testing.assert_array_equal(preds, lengths.argmax(1))
+  np.testing.assert_allclose(acc, np.mean(preds == [0, 1, 2, 1]))
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_decoder_ignores_non_target_capsules(tiny_cfg, training):
+  rng = np.random.RandomState(0)
+  labels = np.array([0, 2])
+  with tf.Graph().as_default(), tf.compat.v1.Session() as sess:
+    out = model.forward(tf.constant(rng.rand(2, 12, 12, 1)), tf.constant(labels),
+                        tiny_cfg, training=training)
+    sess.run(tf.compat.v1.global_variables_initializer())
+    v, preds, recon = sess.run([out.v, out.predictions, out.reconstructions])
+    target = labels if training else preds
+    other = (target + 1) % 3
+    v_other, v_target = v.copy(), v.copy()
+    v_other[np.arange(2), other] += 0.3     # change a non-target capsule
+    v_target[np.arange(2), target] += 0.3   # change the target capsule
+    feed = {out.v: v_other, out.predictions: preds}
+    recon_other = sess.run(out.reconstructions, feed)
+    feed = {out.v: v_target, out.predictions: preds}
+    recon_target = sess.run(out.reconstructions, feed)
+  np.testing.assert_array_equal(recon_other, recon)
+  assert np.abs(recon_target - recon).max() > 1e-6
+
+
+@pytest.mark.parametrize("field,value", [
+    ("conv1_channels", 0), ("primary_dim", -1), ("iter_routing", 0),
+    ("num_classes", 2.5), ("m_plus", 1.5), ("m_minus", 0.95),
+    ("down_weight", -0.1), ("recon_weight", -1.0), ("dtype", "float16"),
+    ("precision", "fp8"), ("conv_impl", "fft"), ("decoder_units", (512, 0)),
+    ("stop_gradient", "yes"),
+])
+def test_invalid_config_names_the_field(field, value):
+  with pytest.raises(ValueError, match=f"ModelConfig.{field} "):
+    model.ModelConfig(**{field: value})
+
+
+def test_image_too_small_for_kernels():
+  with pytest.raises(ValueError, match="ModelConfig.image_size=16 is too small"):
+    model.ModelConfig(image_size=16)
+
+
+def test_forward_rejects_wrong_image_shape(tiny_cfg):
+  with tf.Graph().as_default():
+    with pytest.raises(ValueError, match=r"images must be \[batch, 12, 12, 1\], "
+                       r"got shape \(2, 28, 28, 1\)"):
+      model.forward(tf.zeros([2, 28, 28, 1]), tf.zeros([2], tf.int32),
+                    tiny_cfg, training=True)
+
+
+def test_gemm_convolution_equals_conv2d_value_and_gradient():
+  rng = np.random.RandomState(0)
+  x = rng.randn(2, 9, 9, 3)
+  outs = {}
+  for impl in ("conv2d", "gemm"):
+    with tf.Graph().as_default(), tf.compat.v1.Session() as sess:
+      xt = tf.constant(x)
+      with tf.compat.v1.variable_scope("c"):
+        y = layers._conv(xt, 3, 4, 2, None, impl)
+      w = tf.compat.v1.global_variables()[0]
+      w.load(rng.randn(3, 3, 3, 4) if impl == "conv2d" else outs["w"], sess)
+      sess.run(tf.compat.v1.global_variables()[1].initializer)
+      up = np.random.RandomState(1).randn(2, 4, 4, 4)
+      gx, gw = tf.gradients(y, [xt, w], grad_ys=tf.constant(up))
+      outs[impl] = sess.run([y, gx, gw])
+      if impl == "conv2d":
+        outs["w"] = sess.run(w)
+  assert outs["gemm"][0].shape == (2, 4, 4, 4)
+  for a, b in zip(outs["conv2d"], outs["gemm"]):
+    np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_bf16_and_fp32_predictions_agree():
+  """Paper model, fixed weights and batch: bf16 within bf16 tolerance."""
+  rng = np.random.RandomState(0)
+  images = rng.rand(8, 28, 28, 1).astype(np.float32)
+  results = {}
+  for precision in ("fp32", "bf16"):
+    cfg = model.ModelConfig(precision=precision)
+    with tf.Graph().as_default(), tf.compat.v1.Session() as sess:
+      tf.compat.v1.set_random_seed(0)
+      out = model.forward(tf.constant(images), tf.zeros([8], tf.int32), cfg,
+                          training=False)
+      # Larger W than the init, so that lengths spread and argmax is stable.
+      r = np.random.RandomState(1)
+      for var in tf.compat.v1.global_variables():
+        scale = 0.05 if "digit_caps" in var.name else 0.02
+        var.load(r.randn(*var.shape).astype(np.float32) * scale, sess)
+      results[precision] = sess.run([out.lengths, out.predictions])
+  lengths32, preds32 = results["fp32"]
+  lengths16, preds16 = results["bf16"]
+  assert lengths16.dtype == np.float32
+  np.testing.assert_allclose(lengths16, lengths32, atol=0.02)
+  np.testing.assert_array_equal(preds16, preds32)
+  assert np.abs(lengths16 - lengths32).max() > 0   # bf16 really ran

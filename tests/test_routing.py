@@ -1,0 +1,101 @@
+"""squash and dynamic_routing against NumPy and hand derivations."""
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from capsnet import routing
+
+
+def np_squash(s):
+  sq = np.sum(s ** 2, axis=-1, keepdims=True)
+  return sq / (1 + sq) * s / np.sqrt(sq)
+
+
+def run(fetches, feed=None):
+  with tf.compat.v1.Session() as sess:
+    return sess.run(fetches, feed)
+
+
+def test_squash_norm_below_one_and_direction_kept():
+  s = np.random.RandomState(0).randn(5, 7, 4) * np.array([0.01, 0.5, 3.0, 50.0])
+  with tf.Graph().as_default():
+    out = run(routing.squash(tf.constant(s)))
+  norms = np.linalg.norm(out, axis=-1)
+  assert np.all(norms < 1.0)
+  np.testing.assert_allclose(norms, np.linalg.norm(np_squash(s), axis=-1), rtol=1e-9)
+  cos = np.sum(out * s, -1) / (norms * np.linalg.norm(s, axis=-1))
+  np.testing.assert_allclose(cos, 1.0, atol=1e-12)
+
+
+def test_squash_value_and_gradient_finite_at_zero():
+  with tf.Graph().as_default():
+    s = tf.zeros([2, 3], tf.float64)
+    v = routing.squash(s)
+    grad = tf.gradients(tf.reduce_sum(v), s)[0]
+    v_val, g_val = run([v, grad])
+  np.testing.assert_array_equal(v_val, np.zeros([2, 3]))
+  assert np.all(np.isfinite(g_val))
+  np.testing.assert_array_equal(g_val, np.zeros([2, 3]))
+
+
+def test_squash_gradient_matches_finite_differences():
+  s = np.random.RandomState(1).randn(3, 4)
+  with tf.Graph().as_default(), tf.compat.v1.Session():
+    theo, num = tf.test.compute_gradient(routing.squash, [s])
+  np.testing.assert_allclose(theo[0], num[0], atol=1e-8)
+
+
+@pytest.mark.parametrize("iters", [1, 2, 3])
+def test_coupling_coefficients_sum_to_one_over_out_caps(iters):
+  u_hat = np.random.RandomState(0).randn(4, 3, 6, 2)   # [b, o, i, d]
+  with tf.Graph().as_default():
+    v, c = routing.dynamic_routing(tf.constant(u_hat), iters)
+    v_val, c_val = run([v, c])
+  assert c_val.shape == (4, 6, 3)                      # [b, i, o]
+  assert v_val.shape == (4, 3, 2)
+  np.testing.assert_allclose(c_val.sum(axis=2), 1.0, atol=1e-12)
+  if iters > 1:   # routing moved c away from uniform
+    assert np.abs(c_val - 1.0 / 3).max() > 1e-3
+
+
+def test_routing_is_per_example():
+  u_hat = np.random.RandomState(0).randn(4, 3, 6, 2) * 2
+  with tf.Graph().as_default():
+    x = tf.compat.v1.placeholder(tf.float64, [None, 3, 6, 2])
+    v, c = routing.dynamic_routing(x, 3)
+    v4, c4 = run([v, c], {x: u_hat})
+    v1, c1 = run([v, c], {x: u_hat[:1]})
+  np.testing.assert_allclose(v4[:1], v1, rtol=1e-12)
+  np.testing.assert_allclose(c4[:1], c1, rtol=1e-12)
+  assert np.abs(c4[1] - c4[0]).max() > 1e-3   # examples route differently
+
+
+def test_one_iteration_is_squash_of_the_mean_over_out_caps():
+  u_hat = np.random.RandomState(2).randn(2, 3, 5, 4)   # [b, o, i, d]
+  with tf.Graph().as_default():
+    v, c = routing.dynamic_routing(tf.constant(u_hat), 1)
+    v_val, c_val = run([v, c])
+  expected = np_squash(u_hat.sum(axis=2) / 3)           # uniform c = 1/out_caps
+  np.testing.assert_allclose(v_val, expected, rtol=1e-9)
+  np.testing.assert_allclose(c_val, 1.0 / 3)
+
+
+def test_two_iterations_match_numpy_procedure_1():
+  u_hat = np.random.RandomState(3).randn(2, 3, 5, 4)
+  b = np.zeros([2, 3, 5])
+  for r in range(3):
+    c = np.exp(b) / np.exp(b).sum(axis=1, keepdims=True)
+    v = np_squash(np.einsum("boi,boid->bod", c, u_hat))
+    b = b + np.einsum("boid,bod->boi", u_hat, v)
+  with tf.Graph().as_default():
+    v_tf, c_tf = run(routing.dynamic_routing(tf.constant(u_hat), 3))
+  np.testing.assert_allclose(v_tf, v, rtol=1e-9)
+  np.testing.assert_allclose(c_tf, c.transpose(0, 2, 1), rtol=1e-9)
+
+
+def test_bad_inputs_raise():
+  with tf.Graph().as_default():
+    with pytest.raises(ValueError, match=r"u_hat must be .*got shape \(2, 3, 4\)"):
+      routing.dynamic_routing(tf.zeros([2, 3, 4]), 3)
+    with pytest.raises(ValueError, match="num_iters must be >= 1, got 0"):
+      routing.dynamic_routing(tf.zeros([2, 3, 4, 5]), 0)
