@@ -281,7 +281,7 @@ def random_shift(images, seed, max_shift=MAX_SHIFT):
 
 
 def make_dataset(images, labels, batch_size, augment=False, seed=0,
-                 drop_remainder=False, prefetch=2):
+                 drop_remainder=False, prefetch=2, first_batch=0):
   """A batched tf.data pipeline over in-memory arrays (or tensors fed at
   iterator initialisation) in the order given; the trainer passes each epoch's
   permutation (`epoch_order`).
@@ -291,7 +291,8 @@ def make_dataset(images, labels, batch_size, augment=False, seed=0,
     labels: `[n]` int.
     augment: random shifts of up to 2 pixels (training only).
     seed: int or scalar int64 tensor; the augmentation of batch k uses the
-      stateless seed (seed, k), so a run is reproducible and resumable.
+      stateless seed (seed, first_batch + k), so a run is reproducible and
+      resumable part-way through an epoch.
     drop_remainder: False (evaluation) keeps the last partial batch.
   Yields: `(images [batch, rows, cols, channels] float32 in [0, 1],
     labels [batch] int32)`.
@@ -302,6 +303,7 @@ def make_dataset(images, labels, batch_size, augment=False, seed=0,
   def prepare(k, batch):
     x, y = batch
     if augment:
+      k = k + tf.cast(first_batch, tf.int64)
       x, _ = random_shift(x, tf.stack([tf.cast(seed, tf.int64), k]))
     return tf.cast(x, tf.float32) / 255.0, tf.cast(y, tf.int32)
   ds = ds.map(prepare, num_parallel_calls=tf.data.AUTOTUNE)

@@ -238,3 +238,44 @@ def average_gradients(tower_grads):
     mean = tf.add_n(grads) / float(len(grads)) if grads else None
     averaged.append((mean, pairs[0][1]))
   return averaged
+
+
+def coupling_per_iteration(outputs, num_iters):
+  """The coupling coefficients of each routing iteration of a built model.
+
+  Returns: list of `[batch, out_caps, in_caps]` tensors, iteration 0 first.
+  """
+  scope = outputs.u_hat.name.rsplit("/", 1)[0] + "/routing"
+  graph = outputs.u_hat.graph
+  return [graph.get_tensor_by_name(f"{scope}/iter_{r}/c:0")
+          for r in range(num_iters)]
+
+
+def routing_entropy(c):
+  """Mean entropy (nats) of `c [batch, out_caps, in_caps]` over out_caps;
+  log(out_caps) for uniform coupling, 0 when each input picks one output."""
+  return -tf.reduce_mean(tf.reduce_sum(c * tf.math.log(c + 1e-12), axis=1))
+
+
+DIAG_VARS = ("digit_caps/weights", "primary_caps/weights", "conv1/weights")
+
+
+def gradient_diagnostic(images, labels, cfg):
+  """How much of the gradient flows through the routing coefficients.
+
+  Builds the model twice on the same variables and batch, with the stop on
+  and off, and returns for W and the conv weights
+  `||g_full - g_stop|| / ||g_full||` (0 for r = 1).
+
+  Returns: dict short variable name -> scalar tensor.
+  """
+  grads = {}
+  for stop in (True, False):
+    mode = dataclasses.replace(cfg, stop_gradient=stop)
+    with tf.name_scope(f"diag_stop_{stop}"):
+      out = forward(images, labels, mode, training=True)
+    variables = {v.op.name: v for v in tf.compat.v1.trainable_variables()}
+    targets = [variables["capsnet/" + n] for n in DIAG_VARS]
+    grads[stop] = tf.gradients(out.loss, targets)
+  return {name: tf.norm(full - stop) / tf.norm(full)
+          for name, stop, full in zip(DIAG_VARS, grads[True], grads[False])}

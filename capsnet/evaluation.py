@@ -1,0 +1,79 @@
+"""Evaluation graph and loop shared by train.py (validation, final test) and eval.py.
+
+The eval pipeline is an initializable iterator over placeholders, so one graph
+scores any split; it keeps the last partial batch, so every example counts once.
+"""
+import collections
+
+import numpy as np
+import tensorflow as tf
+
+from capsnet import input as data
+from capsnet import model
+
+EvalGraph = collections.namedtuple(
+    "EvalGraph", ["images", "labels", "iterator", "outputs", "batch_images"])
+
+
+def build(cfg, batch_size, device=None):
+  """Eval pipeline on the CPU and `model.forward(training=False)` on `device`.
+
+  Returns: an `EvalGraph`; `images`/`labels` are the placeholders to feed at
+  `iterator.initializer`, `batch_images` the current batch's images.
+  """
+  shape = [None, cfg.image_size, cfg.image_size, cfg.image_channels]
+  with tf.device("/cpu:0"), tf.name_scope("eval_input"):
+    images = tf.compat.v1.placeholder(tf.uint8, shape, name="images")
+    labels = tf.compat.v1.placeholder(tf.int32, [None], name="labels")
+    ds = data.make_dataset(images, labels, batch_size)
+    iterator = tf.compat.v1.data.make_initializable_iterator(ds)
+    batch_images, batch_labels = iterator.get_next()
+  with tf.compat.v1.device(device), tf.name_scope("eval"):
+    outputs = model.forward(batch_images, batch_labels, cfg, training=False)
+  return EvalGraph(images, labels, iterator, outputs, batch_images)
+
+
+def run(sess, graph, images, labels, num_classes, extra=None):
+  """Scores every example of (images, labels) once.
+
+  Args:
+    extra: optional dict name -> per-example tensor to collect as well.
+  Returns: dict with count, accuracy, error_percent, loss, margin_loss,
+    recon_loss (means over examples), per_class_accuracy, confusion
+    (rows = label, columns = prediction), predictions, lengths, and `extra`.
+  """
+  out = graph.outputs
+  fetch = {"predictions": out.predictions, "lengths": out.lengths,
+           "margin_loss": out.margin_loss, "recon_loss": out.recon_loss}
+  fetch.update(extra or {})
+  sess.run(graph.iterator.initializer, {graph.images: images, graph.labels: labels})
+  parts = collections.defaultdict(list)
+  while True:
+    try:
+      for k, v in sess.run(fetch).items():
+        parts[k].append(v)
+    except tf.errors.OutOfRangeError:
+      break
+  res = {k: np.concatenate(v) for k, v in parts.items()}
+  n = len(res["predictions"])
+  if n != len(labels):
+    raise RuntimeError(f"evaluation scored {n} examples, expected {len(labels)}")
+  correct = res["predictions"] == labels
+  confusion = np.zeros([num_classes, num_classes], np.int64)
+  np.add.at(confusion, (labels, res["predictions"]), 1)
+  per_class = confusion.diagonal() / np.maximum(confusion.sum(1), 1)
+  res.update(
+      count=n, accuracy=float(correct.mean()),
+      error_percent=float(100.0 * (1.0 - correct.mean())),
+      loss=float(np.mean(res["margin_loss"] + res["recon_loss"])),
+      margin_loss_mean=float(res["margin_loss"].mean()),
+      recon_loss_mean=float(res["recon_loss"].mean()),
+      per_class_accuracy=per_class.tolist(), confusion=confusion.tolist())
+  return res
+
+
+def summary(res):
+  """The scalar part of `run`'s result, for JSON and logs."""
+  keys = ("count", "accuracy", "error_percent", "loss", "margin_loss_mean",
+          "recon_loss_mean", "per_class_accuracy", "confusion")
+  return {k: res[k] for k in keys}

@@ -1,0 +1,122 @@
+"""Command-line flags and their conversion into a `ModelConfig`.
+
+Only train.py / eval.py / capsnet.study call the `define_*` functions (at
+import) and read FLAGS (in main); the graph builder takes the plain config.
+"""
+import dataclasses
+
+from absl import flags
+
+from capsnet import input as data
+from capsnet import model
+
+FLAGS = flags.FLAGS
+
+_MODEL_HELP = {
+    "image_size": "input height = width in pixels",
+    "image_channels": "input channels",
+    "num_classes": "number of classes = DigitCaps",
+    "conv1_channels": "Conv1 filters",
+    "conv1_kernel": "Conv1 kernel size",
+    "primary_types": "PrimaryCaps capsule types",
+    "primary_dim": "PrimaryCaps capsule dimension",
+    "primary_kernel": "PrimaryCaps kernel size",
+    "primary_stride": "PrimaryCaps stride",
+    "digit_dim": "DigitCaps capsule dimension",
+    "iter_routing": "routing iterations r (Procedure 1)",
+    "stop_gradient": "inner routing iterations read stop_gradient(u_hat)",
+    "m_plus": "margin loss m+",
+    "m_minus": "margin loss m-",
+    "down_weight": "margin loss lambda (weight of absent classes)",
+    "decoder_units": "decoder hidden layer sizes",
+    "use_decoder": "train with the reconstruction decoder",
+    "recon_weight": "weight of the summed squared reconstruction error",
+    "dtype": "variable and routing dtype: float32 or float64",
+    "precision": "fp32, or bf16: convolutions and matmuls in bfloat16 (mixed)",
+    "conv_impl": "PrimaryCaps convolution: conv2d or gemm (patches x weights)",
+}
+
+
+def define_model_flags():
+  """One flag per ModelConfig field, default = the paper's value."""
+  for field in dataclasses.fields(model.ModelConfig):
+    name, default, help_ = field.name, field.default, _MODEL_HELP[field.name]
+    if isinstance(default, bool):
+      flags.DEFINE_bool(name, default, help_)
+    elif isinstance(default, int):
+      flags.DEFINE_integer(name, default, help_)
+    elif isinstance(default, float):
+      flags.DEFINE_float(name, default, help_)
+    elif isinstance(default, tuple):
+      flags.DEFINE_list(name, [str(u) for u in default], help_)
+    else:
+      flags.DEFINE_string(name, default, help_)
+
+
+def define_data_flags(dataset_default="mnist"):
+  flags.DEFINE_enum("dataset", dataset_default, sorted(data.DATASETS),
+                    "data set" + ("" if dataset_default else
+                                  " (default: the one the run trained on)"))
+  flags.DEFINE_string("data_dir", None, "folder of the four .gz files "
+                      "(default: data/<dataset>)")
+  flags.DEFINE_bool("download", True, "fetch missing files from public mirrors")
+  if dataset_default is None:   # eval.py: the split comes from config.json
+    return
+  flags.DEFINE_integer("val_size", 5000, "validation images held out from the "
+                       "end of the training file (0 allowed)", lower_bound=0)
+
+
+def define_train_flags():
+  """Model, data and trainer flags (train.py, capsnet.study)."""
+  define_model_flags()
+  define_data_flags()
+  flags.DEFINE_string("logdir", "logs/run", "checkpoints, config.json, metrics, events")
+  flags.DEFINE_integer("epochs", 50, "training epochs", lower_bound=1)
+  flags.DEFINE_integer("max_steps", 0, "stop after this many global steps "
+                       "(0: no limit; for smoke tests)", lower_bound=0)
+  flags.DEFINE_integer("batch_size", 128, "training batch size (all towers)",
+                       lower_bound=1)
+  flags.DEFINE_integer("eval_batch_size", 500, "batch size for validation/test",
+                       lower_bound=1)
+  flags.DEFINE_float("learning_rate", 0.001, "Adam learning rate", lower_bound=0)
+  flags.DEFINE_integer("decay_steps", 2000, "learning-rate decay period (steps)",
+                       lower_bound=1)
+  flags.DEFINE_float("decay_rate", 0.96, "learning-rate decay factor per period",
+                     lower_bound=0)
+  flags.DEFINE_integer("seed", 0, "graph-level seed and data order seed")
+  flags.DEFINE_string("device", None, "model device; default /gpu:0 when "
+                      "TensorFlow sees a GPU, else /cpu:0")
+  flags.DEFINE_integer("num_gpus", 1, "towers on <device type>:0..N-1",
+                       lower_bound=1)
+  flags.DEFINE_bool("log_device_placement", False, "log where each op runs")
+  flags.DEFINE_integer("save_every", 1000, "steps between latest checkpoints "
+                       "(also saved at each epoch end)", lower_bound=1)
+  flags.DEFINE_integer("summary_every", 100, "steps between TensorBoard summaries",
+                       lower_bound=1)
+  flags.DEFINE_integer("diag_every", 0, "steps between gradient diagnostics "
+                       "(||g_full - g_stop|| / ||g_full||); 0 = off", lower_bound=0)
+  flags.DEFINE_bool("progress", True, "show a tqdm progress bar")
+
+
+def model_config_from_flags(values=None):
+  """A ModelConfig from parsed flags (FLAGS by default).
+
+  Raises:
+    ValueError: a value the config rejects; the message names the field.
+  """
+  values = values or FLAGS
+  kwargs = {}
+  for field in dataclasses.fields(model.ModelConfig):
+    value = values[field.name].value
+    if field.name == "decoder_units":
+      try:
+        value = tuple(int(u) for u in value)
+      except ValueError:
+        raise ValueError("ModelConfig.decoder_units must be positive ints, "
+                         f"got {value!r}") from None
+    kwargs[field.name] = value
+  return model.ModelConfig(**kwargs)
+
+
+def data_dir():
+  return FLAGS.data_dir or f"data/{FLAGS.dataset}"
