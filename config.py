@@ -33,7 +33,8 @@ _MODEL_HELP = {
     "recon_weight": "weight of the summed squared reconstruction error",
     "dtype": "variable and routing dtype: float32 or float64",
     "precision": "fp32, or bf16: convolutions and matmuls in bfloat16 (mixed)",
-    "conv_impl": "PrimaryCaps convolution: conv2d or gemm (patches x weights)",
+    "conv_impl": "strided convolutions: custom_grad (gradients as stride-1 "
+                 "convolutions, faster) or conv2d (TensorFlow's gradients)",
 }
 
 
@@ -95,6 +96,8 @@ def define_train_flags():
                        lower_bound=1)
   flags.DEFINE_integer("diag_every", 0, "steps between gradient diagnostics "
                        "(||g_full - g_stop|| / ||g_full||); 0 = off", lower_bound=0)
+  flags.DEFINE_integer("val_every", 0, "steps between extra validations inside "
+                       "an epoch (0: only at epoch ends)", lower_bound=0)
   flags.DEFINE_bool("progress", True, "show a tqdm progress bar")
 
 

@@ -152,8 +152,8 @@ class Graph:
           self.diag = model.gradient_diagnostic(
               tf.constant(fixed_batch[0], tf.float32) / 255.0,
               tf.constant(fixed_batch[1]), cfg)
-      self.saver_latest = tf.compat.v1.train.Saver(max_to_keep=2)
-      self.saver_best = tf.compat.v1.train.Saver(max_to_keep=1)
+      self.saver_latest = tf.compat.v1.train.Saver(max_to_keep=2, save_relative_paths=True)
+      self.saver_best = tf.compat.v1.train.Saver(max_to_keep=1, save_relative_paths=True)
       self.init = tf.compat.v1.global_variables_initializer()
     self.graph.finalize()
 
@@ -168,7 +168,7 @@ class Graph:
     for r, c in enumerate(model.coupling_per_iteration(out, cfg.iter_routing)):
       items.append(scalar(f"routing/entropy_iter_{r}", model.routing_entropy(c)))
       items.append(scalar(f"routing/max_c_iter_{r}",
-                          tf.reduce_mean(tf.reduce_max(c, axis=1))))
+                          tf.reduce_mean(tf.reduce_max(c, axis=2))))
     if out.reconstructions is not None:
       recon = tf.reshape(out.reconstructions[:4], tf.shape(images[:4]))
       pairs = tf.concat([tf.cast(images[:4], recon.dtype), recon], axis=2)
@@ -246,6 +246,26 @@ def train(cfg, devices, splits):
                              g.state_in["best_val"]: best_val})
       return saver.save(sess, os.path.join(folder, "model.ckpt"), g.global_step)
 
+    def validate(row, epoch, examples, best_val):
+      """Scores the validation split, appends `row` to metrics.jsonl and
+      saves the best checkpoint; returns the best validation accuracy."""
+      if len(val_y):
+        val = evaluation.run(sess, g.eval, val_x, val_y, cfg.num_classes)
+        row.update(val_loss=val["loss"], val_accuracy=val["accuracy"],
+                   val_error_percent=val["error_percent"])
+        print(f"epoch {row['epoch']}: validation accuracy {val['accuracy']:.4f} "
+              f"(error {val['error_percent']:.2f}%), loss {val['loss']:.4f}"
+              + (f", {row['images_per_sec']} images/s" if "images_per_sec" in row else ""))
+        add_scalars(writer, step, {"validation/accuracy": val["accuracy"],
+                                   "validation/loss": val["loss"]})
+      if not len(val_y) or val["accuracy"] > best_val:
+        # Without a validation split the newest state counts as the best.
+        best_val = val["accuracy"] if len(val_y) else best_val
+        save(g.saver_best, best_dir, epoch, examples, best_val)
+      with open(os.path.join(logdir, "metrics.jsonl"), "a") as f:
+        f.write(json.dumps(row) + "\n")
+      return best_val
+
     def out_of_steps():
       return FLAGS.max_steps and step >= FLAGS.max_steps
 
@@ -258,7 +278,7 @@ def train(cfg, devices, splits):
       bar = tqdm.tqdm(total=steps_per_epoch, initial=done_batches,
                       desc=f"epoch {epoch + 1}/{FLAGS.epochs}",
                       disable=not FLAGS.progress, dynamic_ncols=True)
-      t_epoch, n_epoch, losses, accs = time.time(), 0, [], []
+      t_epoch, t_val, n_epoch, losses, accs = time.time(), 0.0, 0, [], []
       while not stop["requested"] and not out_of_steps():
         t0 = time.time()
         fetch = [g.train_op, g.loss, g.accuracy]
@@ -283,6 +303,12 @@ def train(cfg, devices, splits):
           writer.add_summary(res[3], step)
         if g.diag and (step % FLAGS.diag_every == 0 or step == 1):
           record_diagnostic(sess, g, writer, step, epoch, examples, steps_per_epoch)
+        if (FLAGS.val_every and step % FLAGS.val_every == 0
+            and examples < steps_per_epoch * FLAGS.batch_size):
+          t = time.time()
+          position = round(epoch + examples / (steps_per_epoch * FLAGS.batch_size), 3)
+          best_val = validate({"epoch": position, "step": step}, epoch, examples, best_val)
+          t_val += time.time() - t
         if step % FLAGS.save_every == 0:
           save(g.saver_latest, latest_dir, epoch, examples, best_val)
         bar.update(1)
@@ -292,28 +318,13 @@ def train(cfg, devices, splits):
       if stop["requested"] or examples < steps_per_epoch * FLAGS.batch_size:
         save(g.saver_latest, latest_dir, epoch, examples, best_val)
         break
-      wall = time.time() - t_epoch
+      wall = time.time() - t_epoch - t_val
       epoch, examples = epoch + 1, 0
       row = {"epoch": epoch, "step": step, "wall_s": round(wall, 1),
              "images_per_sec": round(n_epoch / wall, 1),
              "train_loss": float(np.mean(losses)) if losses else None,
              "train_accuracy": float(np.mean(accs)) if accs else None}
-      if len(val_y):
-        val = evaluation.run(sess, g.eval, val_x, val_y, cfg.num_classes)
-        row.update(val_loss=val["loss"], val_accuracy=val["accuracy"],
-                   val_error_percent=val["error_percent"])
-        print(f"epoch {epoch}: validation accuracy {val['accuracy']:.4f} "
-              f"(error {val['error_percent']:.2f}%), loss {val['loss']:.4f}, "
-              f"{row['images_per_sec']} images/s")
-        add_scalars(writer, step, {"validation/accuracy": val["accuracy"],
-                                   "validation/loss": val["loss"]})
-        if val["accuracy"] > best_val:
-          best_val = val["accuracy"]
-          save(g.saver_best, best_dir, epoch, examples, best_val)
-      else:   # no validation split: the last epoch counts as the best
-        save(g.saver_best, best_dir, epoch, examples, best_val)
-      with open(os.path.join(logdir, "metrics.jsonl"), "a") as f:
-        f.write(json.dumps(row) + "\n")
+      best_val = validate(row, epoch, examples, best_val)
       save(g.saver_latest, latest_dir, epoch, examples, best_val)
     writer.flush()
 

@@ -17,13 +17,14 @@ def _cast(x, dtype):
   return x if dtype is None or x.dtype == dtype else tf.cast(x, dtype)
 
 
-def _conv(x, kernel, channels, stride, compute_dtype, impl="conv2d"):
+def _conv(x, kernel, channels, stride, compute_dtype, impl="custom_grad"):
   """VALID convolution with bias; variables `weights` and `biases`.
 
   Args:
     x: `[batch, height, width, in_channels]`.
-    impl: "conv2d" (tf.nn.conv2d) or "gemm" (image patches times the weights
-      as one large matmul); equal in value and gradient.
+    impl: "custom_grad" (`_strided_conv`: the gradients of a strided
+      convolution as stride-1 convolutions) or "conv2d" (tf.nn.conv2d with
+      TensorFlow's own gradients); equal in value and gradient.
   Returns: `[batch, out_h, out_w, channels]` in the dtype of `x`.
   """
   in_ch = x.shape[-1]
@@ -33,18 +34,58 @@ def _conv(x, kernel, channels, stride, compute_dtype, impl="conv2d"):
   bias = tf.compat.v1.get_variable("biases", [channels], x.dtype,
                                    tf.compat.v1.zeros_initializer())
   xc, wc = _cast(x, compute_dtype), _cast(w, compute_dtype)
-  if impl == "conv2d":
+  if impl == "custom_grad" and stride > 1:
+    y = _strided_conv(xc, tf.convert_to_tensor(wc), stride)
+  elif impl in ("custom_grad", "conv2d"):
     y = tf.nn.conv2d(xc, wc, strides=stride, padding="VALID")
-  elif impl == "gemm":
-    patches = tf.image.extract_patches(
-        xc, sizes=[1, kernel, kernel, 1], strides=[1, stride, stride, 1],
-        rates=[1, 1, 1, 1], padding="VALID")       # [b, oh, ow, k*k*in_ch]
-    # extract_patches orders each patch as (row, col, channel), as conv2d's
-    # filter is laid out, so the filter reshapes to [k*k*in_ch, channels].
-    y = tf.tensordot(patches, tf.reshape(wc, [-1, channels]), axes=1)
   else:
-    raise ValueError(f"conv impl must be 'conv2d' or 'gemm', got {impl!r}")
+    raise ValueError(f"conv impl must be 'custom_grad' or 'conv2d', got {impl!r}")
   return _cast(y, x.dtype) + bias
+
+
+def _strided_conv(x, w, stride):
+  """conv2d(x, w, stride, VALID) whose gradients are stride-1 convolutions.
+
+  TensorFlow's strided Conv2DBackpropInput/Filter run on the CPU at a
+  fraction of the forward convolution's speed (bench: 2-3x slower in bf16).
+  Both gradients are rewritten as forward convolutions, which oneDNN runs fast:
+  - input: for each of the stride^2 phases (py, px) of the input grid, a
+    full correlation of dy with the flipped sub-kernel w[py::s, px::s]; the
+    phases are interleaved with depth_to_space.
+  - filter: a convolution of x (batch as channels) with dy as a kernel
+    dilated by the stride.
+
+  Args:
+    x: `[batch, h, w, c]`; w: `[k, k, c, n]` (a tensor); stride: int.
+  Returns: `[batch, (h - k) // stride + 1, (w - k) // stride + 1, n]`.
+  """
+  @tf.custom_gradient
+  def conv(x, w):
+    return tf.nn.conv2d(x, w, strides=stride, padding="VALID"), grad
+
+  def grad(dy):
+    s = stride
+    kh, kw = w.shape[0], w.shape[1]
+    h, wd = x.shape[1], x.shape[2]
+    rows, cols = -(-h // s), -(-wd // s)           # phase grid size
+    phases = []
+    for py in range(s):
+      for px in range(s):
+        j, l = len(range(py, kh, s)), len(range(px, kw, s))
+        # w[py::s, px::s] flipped in space, in one strided slice.
+        flipped = w[py + s * (j - 1)::-s, px + s * (l - 1)::-s]   # [J, L, c, n]
+        kernel = tf.transpose(flipped, [0, 1, 3, 2])               # [J, L, n, c]
+        padded = tf.pad(dy, [[0, 0], [j - 1, j - 1], [l - 1, l - 1], [0, 0]])
+        phase = tf.nn.conv2d(padded, kernel, strides=1, padding="VALID")
+        phases.append(tf.pad(phase, [[0, 0], [0, rows - phase.shape[1]],
+                                     [0, cols - phase.shape[2]], [0, 0]]))
+    dx = tf.nn.depth_to_space(tf.concat(phases, axis=3), s)[:, :h, :wd, :]
+    x_t = tf.transpose(x, [3, 1, 2, 0])              # [c, h, w, batch]
+    dy_t = tf.transpose(dy, [1, 2, 0, 3])            # [oh, ow, batch, n]
+    dw = tf.nn.conv2d(x_t, dy_t, strides=1, padding="VALID", dilations=s)
+    dw = tf.transpose(dw[:, :kh, :kw, :], [1, 2, 0, 3])
+    return dx, dw
+  return conv(x, w)
 
 
 def conv1(images, channels, kernel, compute_dtype=None):
@@ -59,7 +100,7 @@ def conv1(images, channels, kernel, compute_dtype=None):
 
 
 def primary_caps(x, types, dim, kernel, stride, compute_dtype=None,
-                 conv_impl="conv2d"):
+                 conv_impl="custom_grad"):
   """PrimaryCaps: a convolution to `types * dim` channels, cut into capsules.
 
   Args:
@@ -80,7 +121,10 @@ def digit_caps(u, out_caps, out_dim, num_iters, stop_gradient,
   """DigitCaps: `u_hat = W u` per (input, output) capsule pair, then routing.
 
   W is `[in_caps, out_caps, in_dim, out_dim]` and is not tiled over the batch:
-  one einsum computes all predictions. No bias is added to `s_j`.
+  one batched matmul over the input capsules computes all predictions,
+  `[i, b, k] @ [i, k, o*d]`, and one transpose puts the batch first (moving
+  rows of o*d contiguous values, ~3x cheaper than the einsum to [b, o, i, d]
+  in forward plus backward). No bias is added to `s_j`.
 
   Args:
     u: `[batch, in_caps, in_dim]` primary capsules.
@@ -89,16 +133,19 @@ def digit_caps(u, out_caps, out_dim, num_iters, stop_gradient,
   Returns:
     v: `[batch, out_caps, out_dim]`.
     c: `[batch, in_caps, out_caps]` coupling coefficients (last iteration).
-    u_hat: `[batch, out_caps, in_caps, out_dim]` prediction vectors.
+    u_hat: `[batch, in_caps, out_caps, out_dim]` prediction vectors.
   """
   with tf.compat.v1.variable_scope("digit_caps"):
     in_caps, in_dim = u.shape[1], u.shape[2]
     w = tf.compat.v1.get_variable(
         "weights", [in_caps, out_caps, in_dim, out_dim], u.dtype,
         tf.compat.v1.random_normal_initializer(stddev=0.01))
-    u_hat = tf.einsum("bik,iokd->boid", _cast(u, compute_dtype),
-                      _cast(w, compute_dtype))
-    u_hat = tf.identity(_cast(u_hat, u.dtype), name="u_hat")  # [b, o, i, d]
+    u_t = tf.transpose(_cast(u, compute_dtype), [1, 0, 2])      # [i, b, k]
+    w_t = tf.reshape(tf.transpose(_cast(w, compute_dtype), [0, 2, 1, 3]),
+                     [in_caps, in_dim, out_caps * out_dim])      # [i, k, o*d]
+    u_hat = tf.transpose(tf.matmul(u_t, w_t), [1, 0, 2])       # [b, i, o*d]
+    u_hat = tf.reshape(_cast(u_hat, u.dtype), [-1, in_caps, out_caps, out_dim],
+                       name="u_hat")                           # [b, i, o, d]
     v, c = routing.dynamic_routing(u_hat, num_iters, stop_gradient)
     return v, c, u_hat
 

@@ -42,7 +42,7 @@ class ModelConfig:
   recon_weight: float = 0.0005   # scales the *sum* of squared errors
   dtype: str = "float32"         # variables and routing: float32 or float64
   precision: str = "fp32"        # fp32, or bf16: convs and matmuls in bfloat16
-  conv_impl: str = "conv2d"      # PrimaryCaps conv: conv2d or gemm (patches x W)
+  conv_impl: str = "custom_grad" # strided convs: custom_grad (fast) or conv2d
 
   def __post_init__(self):
     object.__setattr__(self, "decoder_units", tuple(self.decoder_units))
@@ -71,7 +71,7 @@ class ModelConfig:
         raise ValueError(f"ModelConfig.{name} must be >= 0, "
                          f"got {getattr(self, name)!r}")
     choices = {"dtype": ("float32", "float64"), "precision": ("fp32", "bf16"),
-               "conv_impl": ("conv2d", "gemm")}
+               "conv_impl": ("custom_grad", "conv2d")}
     for name, allowed in choices.items():
       if getattr(self, name) not in allowed:
         raise ValueError(f"ModelConfig.{name} must be one of {allowed}, "
@@ -118,7 +118,7 @@ Outputs = collections.namedtuple("Outputs", [
     "predictions",      # [batch] int32 argmax of lengths
     "reconstructions",  # [batch, num_pixels] decoder output, or None
     "c",                # [batch, in_caps, num_classes] last coupling coeffs
-    "u_hat",            # [batch, num_classes, in_caps, digit_dim]
+    "u_hat",            # [batch, in_caps, num_classes, digit_dim]
     "margin_loss",      # [batch]
     "recon_loss",       # [batch] (zeros without decoder)
     "loss",             # scalar: batch mean of margin + reconstruction
@@ -243,7 +243,7 @@ def average_gradients(tower_grads):
 def coupling_per_iteration(outputs, num_iters):
   """The coupling coefficients of each routing iteration of a built model.
 
-  Returns: list of `[batch, out_caps, in_caps]` tensors, iteration 0 first.
+  Returns: list of `[batch, in_caps, out_caps]` tensors, iteration 0 first.
   """
   scope = outputs.u_hat.name.rsplit("/", 1)[0] + "/routing"
   graph = outputs.u_hat.graph
@@ -252,9 +252,9 @@ def coupling_per_iteration(outputs, num_iters):
 
 
 def routing_entropy(c):
-  """Mean entropy (nats) of `c [batch, out_caps, in_caps]` over out_caps;
+  """Mean entropy (nats) of `c [batch, in_caps, out_caps]` over out_caps;
   log(out_caps) for uniform coupling, 0 when each input picks one output."""
-  return -tf.reduce_mean(tf.reduce_sum(c * tf.math.log(c + 1e-12), axis=1))
+  return -tf.reduce_mean(tf.reduce_sum(c * tf.math.log(c + 1e-12), axis=2))
 
 
 DIAG_VARS = ("digit_caps/weights", "primary_caps/weights", "conv1/weights")

@@ -2,13 +2,16 @@
 
 Tensor in, tensor out: this module owns no variables and reads no config.
 
-Layout. The prediction vectors are kept as `u_hat[batch, out_caps, in_caps,
-out_dim]` ("boid"): batch and output capsule lead, so both routing products
-(the weighted sum `s_j = sum_i c_ij u_hat_j|i` and the agreement
-`u_hat_j|i . v_j`) are plain batched matmuls with no transpose of the large
-`u_hat` tensor. The routing logits `b` and coefficients `c` are
-`[batch, out_caps, in_caps]` inside the loop; `dynamic_routing` returns `c` as
-`[batch, in_caps, out_caps]`, the paper's `c_ij` (i = input, j = output).
+Layout. The prediction vectors are `u_hat[batch, in_caps, out_caps, out_dim]`
+and the logits `b` and coefficients `c` are `[batch, in_caps, out_caps]`, the
+paper's `b_ij`, `c_ij` (i = input, j = output capsule). Both routing products
+are single batched matmuls over the batch that read `u_hat` in place, viewed
+as `[batch, in_caps, out_caps * out_dim]`; no transpose of the large tensor:
+- `s_j = sum_i c_ij u_hat_j|i`: `c^T @ u_hat` gives `[batch, out_caps,
+  out_caps * out_dim]`, every (j, j') pair, of which the diagonal j = j' is
+  kept (out_caps times the FLOPs of the sum, still ~1% of the model's);
+- agreement `u_hat_j|i . v_j`: `u_hat @ V`, with `V[(j, d), j'] = v_jd
+  delta_jj'` block-diagonal.
 """
 import tensorflow as tf
 
@@ -54,7 +57,7 @@ def dynamic_routing(u_hat, num_iters, stop_gradient=True):
   `stop_gradient=False` every iteration reads the live `u_hat`.
 
   Args:
-    u_hat: `[batch, out_caps, in_caps, out_dim]` prediction vectors.
+    u_hat: `[batch, in_caps, out_caps, out_dim]` prediction vectors.
     num_iters: number of routing iterations r >= 1.
     stop_gradient: whether the inner iterations read a stopped `u_hat`.
   Returns:
@@ -65,23 +68,29 @@ def dynamic_routing(u_hat, num_iters, stop_gradient=True):
     ValueError: if `u_hat` is not rank 4 or `num_iters < 1`.
   """
   if u_hat.shape.rank != 4:
-    raise ValueError("dynamic_routing: u_hat must be [batch, out_caps, "
-                     f"in_caps, out_dim], got shape {u_hat.shape}")
+    raise ValueError("dynamic_routing: u_hat must be [batch, in_caps, "
+                     f"out_caps, out_dim], got shape {u_hat.shape}")
   if num_iters < 1:
     raise ValueError(f"dynamic_routing: num_iters must be >= 1, got {num_iters}")
+  in_caps, out_caps, out_dim = u_hat.shape[1:]
   with tf.compat.v1.variable_scope("routing"):
-    u_hat_stopped = (tf.stop_gradient(u_hat, name="u_hat_stopped")
-                     if stop_gradient else u_hat)
-    b = tf.zeros_like(u_hat[..., 0])                # [batch, out_caps, in_caps]
+    eye = tf.eye(out_caps, dtype=u_hat.dtype)           # [o, o]
+    flat = [-1, in_caps, out_caps * out_dim]
+    u_live = tf.reshape(u_hat, flat, name="u_hat_flat")  # [b, i, o*d]
+    u_stopped = (tf.reshape(tf.stop_gradient(u_hat), flat, name="u_hat_stopped_flat")
+                 if stop_gradient else u_live)
+    b = tf.zeros_like(u_hat[..., 0])                    # [b, i, o]
     for r in range(num_iters):
       with tf.compat.v1.variable_scope(f"iter_{r}"):
         last = r == num_iters - 1
-        u = u_hat if last else u_hat_stopped
-        c = tf.nn.softmax(b, axis=1, name="c")      # [batch, out_caps, in_caps]
-        s = tf.squeeze(tf.matmul(c[:, :, None, :], u), axis=2,
-                       name="s")                    # [batch, out_caps, out_dim]
-        v = squash(s)                               # [batch, out_caps, out_dim]
+        u = u_live if last else u_stopped
+        c = tf.nn.softmax(b, axis=2, name="c")          # [b, i, o]
+        pairs = tf.matmul(c, u, transpose_a=True)       # [b, o, o*d]
+        pairs = tf.reshape(pairs, [-1, out_caps, out_caps, out_dim])
+        s = tf.reduce_sum(pairs * eye[:, :, None], axis=2, name="s")  # [b, o, d]
+        v = squash(s)                                   # [b, o, d]
         if not last:
-          agreement = tf.squeeze(tf.matmul(u, v[..., None]), axis=3)
-          b = tf.add(b, agreement, name="b")        # [batch, out_caps, in_caps]
-    return v, tf.transpose(c, [0, 2, 1], name="c_ij")
+          v_block = tf.reshape(v[:, :, :, None] * eye[:, None, :],
+                               [-1, out_caps * out_dim, out_caps])  # [b, o*d, o]
+          b = tf.add(b, tf.matmul(u, v_block), name="b")  # [b, i, o]
+    return v, c

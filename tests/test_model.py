@@ -28,7 +28,7 @@ def test_paper_shapes_and_derived_sizes():
   with tf.Graph().as_default():
     out = model.forward(tf.zeros([2, 28, 28, 1]), tf.zeros([2], tf.int32),
                         cfg, training=False)
-    assert out.u_hat.shape.as_list() == [2, 10, 1152, 16]
+    assert out.u_hat.shape.as_list() == [2, 1152, 10, 16]
     assert out.v.shape.as_list() == [2, 10, 16]
     assert out.c.shape.as_list() == [2, 1152, 10]
     assert out.reconstructions.shape.as_list() == [2, 784]
@@ -42,7 +42,7 @@ def test_other_image_sizes_and_channels_build():
   with tf.Graph().as_default():
     out = model.forward(tf.zeros([1, 40, 40, 3]), tf.zeros([1], tf.int32),
                         cfg, training=True)
-    assert out.u_hat.shape.as_list() == [1, 10, 4608, 16]
+    assert out.u_hat.shape.as_list() == [1, 4608, 10, 16]
     assert out.reconstructions.shape.as_list() == [1, 40 * 40 * 3]
 
 
@@ -128,25 +128,31 @@ def test_forward_rejects_wrong_image_shape(tiny_cfg):
                     tiny_cfg, training=True)
 
 
-def test_gemm_convolution_equals_conv2d_value_and_gradient():
+@pytest.mark.parametrize("size,kernel,stride", [
+    (9, 3, 2), (10, 3, 2), (20, 9, 2), (11, 4, 3), (12, 5, 1)])
+def test_custom_grad_convolution_equals_conv2d(size, kernel, stride):
+  """Value, input gradient and filter gradient, float64, incl. an input
+  whose last row/column no output window covers (10, 3, 2)."""
+  impl = "custom_grad"
   rng = np.random.RandomState(0)
-  x = rng.randn(2, 9, 9, 3)
+  x = rng.randn(2, size, size, 3)
+  out = (size - kernel) // stride + 1
+  w0 = rng.randn(kernel, kernel, 3, 4)
+  up = rng.randn(2, out, out, 4)
   outs = {}
-  for impl in ("conv2d", "gemm"):
+  for impl in ("conv2d", impl):
     with tf.Graph().as_default(), tf.compat.v1.Session() as sess:
       xt = tf.constant(x)
       with tf.compat.v1.variable_scope("c"):
-        y = layers._conv(xt, 3, 4, 2, None, impl)
+        y = layers._conv(xt, kernel, 4, stride, None, impl)
       w = tf.compat.v1.global_variables()[0]
-      w.load(rng.randn(3, 3, 3, 4) if impl == "conv2d" else outs["w"], sess)
+      w.load(w0, sess)
       sess.run(tf.compat.v1.global_variables()[1].initializer)
-      up = np.random.RandomState(1).randn(2, 4, 4, 4)
       gx, gw = tf.gradients(y, [xt, w], grad_ys=tf.constant(up))
       outs[impl] = sess.run([y, gx, gw])
-      if impl == "conv2d":
-        outs["w"] = sess.run(w)
-  assert outs["gemm"][0].shape == (2, 4, 4, 4)
-  for a, b in zip(outs["conv2d"], outs["gemm"]):
+  assert outs[impl][0].shape == (2, out, out, 4)
+  assert np.abs(outs["conv2d"][1]).max() > 0
+  for a, b in zip(outs["conv2d"], outs[impl]):
     np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
 
 

@@ -47,7 +47,7 @@ def test_squash_gradient_matches_finite_differences():
 
 @pytest.mark.parametrize("iters", [1, 2, 3])
 def test_coupling_coefficients_sum_to_one_over_out_caps(iters):
-  u_hat = np.random.RandomState(0).randn(4, 3, 6, 2)   # [b, o, i, d]
+  u_hat = np.random.RandomState(0).randn(4, 6, 3, 2)   # [b, i, o, d]
   with tf.Graph().as_default():
     v, c = routing.dynamic_routing(tf.constant(u_hat), iters)
     v_val, c_val = run([v, c])
@@ -59,9 +59,9 @@ def test_coupling_coefficients_sum_to_one_over_out_caps(iters):
 
 
 def test_routing_is_per_example():
-  u_hat = np.random.RandomState(0).randn(4, 3, 6, 2) * 2
+  u_hat = np.random.RandomState(0).randn(4, 6, 3, 2) * 2
   with tf.Graph().as_default():
-    x = tf.compat.v1.placeholder(tf.float64, [None, 3, 6, 2])
+    x = tf.compat.v1.placeholder(tf.float64, [None, 6, 3, 2])
     v, c = routing.dynamic_routing(x, 3)
     v4, c4 = run([v, c], {x: u_hat})
     v1, c1 = run([v, c], {x: u_hat[:1]})
@@ -71,26 +71,27 @@ def test_routing_is_per_example():
 
 
 def test_one_iteration_is_squash_of_the_mean_over_out_caps():
-  u_hat = np.random.RandomState(2).randn(2, 3, 5, 4)   # [b, o, i, d]
+  u_hat = np.random.RandomState(2).randn(2, 5, 3, 4)   # [b, i, o, d]
   with tf.Graph().as_default():
     v, c = routing.dynamic_routing(tf.constant(u_hat), 1)
     v_val, c_val = run([v, c])
-  expected = np_squash(u_hat.sum(axis=2) / 3)           # uniform c = 1/out_caps
+  expected = np_squash(u_hat.sum(axis=1) / 3)           # uniform c = 1/out_caps
   np.testing.assert_allclose(v_val, expected, rtol=1e-9)
   np.testing.assert_allclose(c_val, 1.0 / 3)
 
 
 def test_two_iterations_match_numpy_procedure_1():
-  u_hat = np.random.RandomState(3).randn(2, 3, 5, 4)
-  b = np.zeros([2, 3, 5])
+  u_hat = np.random.RandomState(3).randn(2, 5, 3, 4)   # [b, i, o, d]
+  b = np.zeros([2, 5, 3])
   for r in range(3):
-    c = np.exp(b) / np.exp(b).sum(axis=1, keepdims=True)
-    v = np_squash(np.einsum("boi,boid->bod", c, u_hat))
-    b = b + np.einsum("boid,bod->boi", u_hat, v)
+    c = np.exp(b) / np.exp(b).sum(axis=2, keepdims=True)
+    v = np_squash(np.einsum("bio,biod->bod", c, u_hat))
+    if r < 2:
+      b = b + np.einsum("biod,bod->bio", u_hat, v)
   with tf.Graph().as_default():
     v_tf, c_tf = run(routing.dynamic_routing(tf.constant(u_hat), 3))
   np.testing.assert_allclose(v_tf, v, rtol=1e-9)
-  np.testing.assert_allclose(c_tf, c.transpose(0, 2, 1), rtol=1e-9)
+  np.testing.assert_allclose(c_tf, c, rtol=1e-9)
 
 
 def test_bad_inputs_raise():

@@ -96,17 +96,17 @@ LABELS = np.array([0, 2])
 
 
 def _routed_loss(u, w, iters, stop, c_fixed=None):
-  u_hat = tf.einsum("bik,iokd->boid", u, w)
+  u_hat = tf.einsum("bik,iokd->biod", u, w)
   if c_fixed is None:
     v, _ = routing.dynamic_routing(u_hat, iters, stop)
   else:   # c_fixed: [b, i, o] held constant
-    v = routing.squash(tf.einsum("bio,boid->bod", c_fixed, u_hat))
+    v = routing.squash(tf.einsum("bio,biod->bod", c_fixed, u_hat))
   return tf.reduce_mean(losses.margin_loss(routing.safe_norm(v), LABELS))
 
 
 def _check_away_from_kinks(iters):
   with tf.Graph().as_default(), tf.compat.v1.Session() as sess:
-    u_hat = tf.einsum("bik,iokd->boid", U, W)
+    u_hat = tf.einsum("bik,iokd->biod", U, W)
     lengths = sess.run(routing.safe_norm(routing.dynamic_routing(u_hat, iters)[0]))
   assert np.min(np.abs(lengths - 0.1)) > 0.02 and np.min(np.abs(lengths - 0.9)) > 0.02
 
@@ -127,7 +127,7 @@ def test_stopped_gradient_is_gradient_with_c_held_fixed(iters):
   _check_away_from_kinks(iters)
   with tf.Graph().as_default(), tf.compat.v1.Session() as sess:
     u, w = tf.constant(U), tf.constant(W)
-    _, c = routing.dynamic_routing(tf.einsum("bik,iokd->boid", u, w), iters)
+    _, c = routing.dynamic_routing(tf.einsum("bik,iokd->biod", u, w), iters)
     c_fixed = sess.run(c)
     analytic = sess.run(tf.gradients(_routed_loss(u, w, iters, stop=True), [u, w]))
     # Finite differences of the loss in which c is a constant.
@@ -158,12 +158,13 @@ def test_graph_structure(tiny_cfg, iters):
       assert len(stopped) == (1 if stop else 0)
       for r in range(iters):
         s_op = graph.get_operation_by_name(f"{scope}/iter_{r}/MatMul")
-        reads = s_op.inputs[1]
+        reads = s_op.inputs[1]          # u_hat viewed as [batch, in_caps, o*d]
+        assert reads.op.type == "Reshape"
         s = graph.get_tensor_by_name(f"{scope}/iter_{r}/s:0")
         grad = tf.gradients(s, out.u_hat)[0]
         if stop and r < iters - 1:
-          assert reads is stopped[0].outputs[0]
+          assert reads.op.inputs[0] is stopped[0].outputs[0]
           assert grad is None
         else:
-          assert reads is out.u_hat
+          assert reads.op.inputs[0] is out.u_hat
           assert grad is not None

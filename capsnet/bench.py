@@ -1,0 +1,230 @@
+"""Speed and memory of the CapsNet step, against the machine's own limit.
+
+  python -m capsnet.bench                       # fp32 and bf16, train and infer
+  python -m capsnet.bench --precision=fp32 --json=bench.json
+
+For each (variant, precision, mode) a fresh child process builds the paper
+model, runs --warmup steps, then times --steps steps one by one and reports
+the median images/s, the achieved GFLOP/s (analytic FLOP count, below), its
+fraction of the fp32 matmul peak measured in the same run, and the child's
+peak RSS. `tiled` is the naive baseline: W tiled over the batch and routing by
+broadcast-multiply-then-reduce, as the well-known TF1 reference does it, and
+TensorFlow's own conv2d gradients.
+"""
+import json
+import multiprocessing
+import os
+import resource
+import statistics
+import time
+
+from absl import app
+from absl import flags
+
+flags.DEFINE_integer("batch_size", 128, "images per step", lower_bound=1)
+flags.DEFINE_integer("iter_routing", 3, "routing iterations", lower_bound=1)
+flags.DEFINE_list("precision", ["fp32", "bf16"], "precisions to measure")
+flags.DEFINE_list("variants", ["ours", "tiled"], "ours and/or tiled (baseline)")
+flags.DEFINE_list("modes", ["train", "infer"], "train and/or infer")
+flags.DEFINE_enum("conv_impl", "custom_grad", ["custom_grad", "conv2d"],
+                  "strided convolution of `ours` (the baseline uses conv2d)")
+flags.DEFINE_integer("steps", 12, "timed steps (median is reported)", lower_bound=1)
+flags.DEFINE_integer("warmup", 3, "untimed steps first", lower_bound=0)
+flags.DEFINE_string("json", None, "also write the results here")
+FLAGS = flags.FLAGS
+
+
+def flops_per_image(cfg, train):
+  """Analytic multiply-add FLOPs (x2) per image of the CapsNet step.
+
+  Forward: Conv1, PrimaryCaps conv, u_hat = W u, routing (r weighted sums,
+  r - 1 agreements), decoder. Training adds the backward pass: twice the
+  forward for every layer but Conv1, whose input needs no gradient (once).
+  Element-wise ops (squash, softmax, losses) are not counted.
+  """
+  conv1 = 2 * cfg.conv1_size ** 2 * cfg.conv1_kernel ** 2 * cfg.image_channels \
+      * cfg.conv1_channels
+  primary = 2 * cfg.primary_size ** 2 * cfg.primary_kernel ** 2 * cfg.conv1_channels \
+      * cfg.primary_types * cfg.primary_dim
+  u_hat = 2 * cfg.in_caps * cfg.num_classes * cfg.primary_dim * cfg.digit_dim
+  routing = 2 * cfg.in_caps * cfg.num_classes * cfg.digit_dim * (2 * cfg.iter_routing - 1)
+  sizes = [cfg.num_classes * cfg.digit_dim, *cfg.decoder_units, cfg.num_pixels]
+  decoder = sum(2 * a * b for a, b in zip(sizes, sizes[1:])) if cfg.use_decoder else 0
+  rest = primary + u_hat + routing + decoder
+  return 2 * conv1 + 3 * rest if train else conv1 + rest
+
+
+def tiled_digit_caps(u, cfg, compute_dtype):
+  """Baseline DigitCaps: W tiled over the batch, broadcast routing.
+
+  Same math and variable as `layers.digit_caps` (W [in_caps, out_caps, in_dim,
+  out_dim]); the layout follows the TF1 reference. Returns v [b, o, d].
+  """
+  import tensorflow as tf
+  from capsnet import routing
+  with tf.compat.v1.variable_scope("digit_caps"):
+    w = tf.compat.v1.get_variable(
+        "weights", [cfg.in_caps, cfg.num_classes, cfg.primary_dim, cfg.digit_dim],
+        u.dtype, tf.compat.v1.random_normal_initializer(stddev=0.01))
+    batch = tf.shape(u)[0]
+    w_tiled = tf.tile(w[None], [batch, 1, 1, 1, 1])            # [b, i, o, k, d]
+    u_tiled = tf.tile(u[:, :, None, :, None], [1, 1, cfg.num_classes, 1, 1])
+    cast = (lambda x: tf.cast(x, compute_dtype)) if compute_dtype else (lambda x: x)
+    u_hat = tf.matmul(cast(w_tiled), cast(u_tiled), transpose_a=True)  # [b, i, o, d, 1]
+    u_hat = tf.cast(u_hat, u.dtype)
+    u_hat_stopped = tf.stop_gradient(u_hat) if cfg.stop_gradient else u_hat
+    b = tf.zeros_like(u_hat[:, :, :, :1, :])                    # [b, i, o, 1, 1]
+    for r in range(cfg.iter_routing):
+      c = tf.nn.softmax(b, axis=2)
+      last = r == cfg.iter_routing - 1
+      uh = u_hat if last else u_hat_stopped
+      s = tf.reduce_sum(c * uh, axis=1, keepdims=True)          # [b, 1, o, d, 1]
+      v = routing.squash(s, axis=3)
+      if not last:
+        b += tf.reduce_sum(uh * v, axis=3, keepdims=True)       # [b, i, o, 1, 1]
+    return tf.squeeze(v, [1, 4])
+
+
+def _build(variant, cfg, images, labels, train):
+  """The step op: a train op, or the inference predictions."""
+  import tensorflow as tf
+  from capsnet import layers, losses, model, routing
+  if variant == "ours":
+    out = model.forward(images, labels, cfg, training=train)
+    loss, predictions = out.loss, out.predictions
+  else:
+    compute = tf.bfloat16 if cfg.precision == "bf16" else None
+    with tf.compat.v1.variable_scope("capsnet"):
+      x = layers.conv1(images, cfg.conv1_channels, cfg.conv1_kernel, compute)
+      u = layers.primary_caps(x, cfg.primary_types, cfg.primary_dim,
+                              cfg.primary_kernel, cfg.primary_stride, compute,
+                              conv_impl="conv2d")
+      v = tiled_digit_caps(u, cfg, compute)
+      lengths = routing.safe_norm(v)
+      predictions = tf.argmax(lengths, 1)
+      mask = tf.one_hot(labels if train else predictions, cfg.num_classes)
+      recon = layers.decoder(tf.reshape(v * mask[..., None], [-1, 160]),
+                             cfg.decoder_units, cfg.num_pixels, compute)
+      loss = tf.reduce_mean(losses.margin_loss(lengths, labels)
+                            + losses.reconstruction_loss(recon, images))
+  if not train:
+    return predictions
+  opt = tf.compat.v1.train.AdamOptimizer(1e-3)
+  return opt.minimize(loss)
+
+
+def _measure(variant, precision, mode, settings, queue):
+  """Child process: time one configuration, put a result dict on `queue`."""
+  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+  import numpy as np
+  import tensorflow as tf
+  from capsnet import model
+  tf.compat.v1.disable_eager_execution()
+  cfg = model.ModelConfig(iter_routing=settings["iter_routing"], precision=precision,
+                          conv_impl=settings["conv_impl"])
+  batch = settings["batch_size"]
+  with tf.Graph().as_default():
+    rng = np.random.RandomState(0)
+    images = tf.constant(rng.rand(batch, 28, 28, 1).astype(np.float32))
+    labels = tf.constant(rng.randint(0, 10, batch).astype(np.int32))
+    op = _build(variant, cfg, images, labels, mode == "train")
+    with tf.compat.v1.Session() as sess:
+      sess.run(tf.compat.v1.global_variables_initializer())
+      for _ in range(settings["warmup"]):
+        sess.run(op)
+      times = []
+      for _ in range(settings["steps"]):
+        t = time.perf_counter()
+        sess.run(op)
+        times.append(time.perf_counter() - t)
+  step = statistics.median(times)
+  gflop = flops_per_image(cfg, mode == "train") * batch / 1e9
+  queue.put({"variant": variant, "precision": precision, "mode": mode,
+             "batch_size": batch, "images_per_sec": batch / step,
+             "step_ms": 1000 * step, "gflop_per_image": gflop / batch,
+             "gflops": gflop / step,
+             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024})
+
+
+def _matmul_peak(dtype_name, queue, n=2048, reps=10):
+  """Child process: best GFLOP/s of an n x n matmul chain in TensorFlow."""
+  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+  import tensorflow as tf
+  tf.compat.v1.disable_eager_execution()
+  dtype = tf.as_dtype(dtype_name)
+  with tf.Graph().as_default():
+    a = tf.Variable(tf.random.normal([n, n], dtype=tf.float32))
+    b = tf.Variable(tf.random.normal([n, n], dtype=tf.float32))
+    prods = [tf.reduce_sum(tf.matmul(tf.cast(a, dtype) + i, tf.cast(b, dtype)))
+             for i in range(4)]
+    with tf.compat.v1.Session() as sess:
+      sess.run(tf.compat.v1.global_variables_initializer())
+      sess.run(prods)
+      best = float("inf")
+      for _ in range(reps):
+        t = time.perf_counter()
+        sess.run(prods)
+        best = min(best, time.perf_counter() - t)
+  queue.put(4 * 2 * n ** 3 / best / 1e9)
+
+
+def _in_child(target, *args):
+  ctx = multiprocessing.get_context("spawn")
+  queue = ctx.Queue()
+  proc = ctx.Process(target=target, args=(*args, queue))
+  proc.start()
+  result = queue.get()
+  proc.join()
+  return result
+
+
+def run(settings, precisions, variants, modes):
+  peaks = {p: _in_child(_matmul_peak, "float32" if p == "fp32" else "bfloat16")
+           for p in ["fp32"] + [p for p in precisions if p != "fp32"]}
+  results = []
+  for mode in modes:
+    for precision in precisions:
+      for variant in variants:
+        r = _in_child(_measure, variant, precision, mode, settings)
+        r["fraction_of_fp32_peak"] = r["gflops"] / peaks["fp32"]
+        r["fp32_limit_images_per_sec"] = peaks["fp32"] / r["gflop_per_image"]
+        results.append(r)
+        print(f"{mode:5s} {precision:4s} {variant:5s} {r['images_per_sec']:7.1f} images/s "
+              f"{r['gflops']:6.1f} GFLOP/s = {r['fraction_of_fp32_peak']:.2f} of fp32 "
+              f"peak  peak RSS {r['peak_rss_mib']:6.0f} MiB", flush=True)
+  ratios = {}
+  for mode in modes:
+    by = {(r["precision"], r["variant"]): r["images_per_sec"]
+          for r in results if r["mode"] == mode}
+    for p in precisions:
+      if (p, "ours") in by and (p, "tiled") in by:
+        ratios[f"{mode}_{p}_ours_over_tiled"] = by[(p, "ours")] / by[(p, "tiled")]
+    if ("bf16", "ours") in by and ("fp32", "ours") in by:
+      ratios[f"{mode}_bf16_over_fp32"] = by[("bf16", "ours")] / by[("fp32", "ours")]
+  print(f"matmul peak (same run): " + ", ".join(
+      f"{p} {g:.0f} GFLOP/s" for p, g in peaks.items()))
+  for k, v in ratios.items():
+    print(f"{k}: {v:.2f}x")
+  return {"settings": settings, "matmul_peak_gflops": peaks, "results": results,
+          "ratios": ratios}
+
+
+def main(argv):
+  del argv
+  settings = {"batch_size": FLAGS.batch_size, "iter_routing": FLAGS.iter_routing,
+              "conv_impl": FLAGS.conv_impl, "steps": FLAGS.steps,
+              "warmup": FLAGS.warmup}
+  for p in FLAGS.precision:
+    if p not in ("fp32", "bf16"):
+      raise app.UsageError(f"--precision: {p!r} is not fp32 or bf16")
+  for v in FLAGS.variants:
+    if v not in ("ours", "tiled"):
+      raise app.UsageError(f"--variants: {v!r} is not ours or tiled")
+  report = run(settings, FLAGS.precision, FLAGS.variants, FLAGS.modes)
+  if FLAGS.json:
+    with open(FLAGS.json, "w") as f:
+      json.dump(report, f, indent=2)
+
+
+if __name__ == "__main__":
+  app.run(main)
