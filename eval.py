@@ -23,6 +23,7 @@ import tensorflow as tf
 
 import config
 from capsnet import evaluation
+from capsnet import files
 from capsnet import input as data
 from capsnet import layers
 from capsnet import model
@@ -104,13 +105,6 @@ def tile(images, columns, gap=2):
   return (np.clip(grid, 0, 1) * 255).round().astype(np.uint8)[..., None]
 
 
-def write_file(path, blob, mode="wb"):
-  tmp = path + ".tmp"
-  with open(tmp, mode) as f:
-    f.write(blob)
-  os.replace(tmp, path)
-
-
 def main(argv):
   del argv
   try:
@@ -150,8 +144,7 @@ def evaluate(cfg, ckpt, images, labels, dataset, run_dir):
       os.makedirs(out_dir, exist_ok=True)
       result = dict(evaluation.summary(res), checkpoint=ckpt, dataset=dataset,
                     split=FLAGS.split, iter_routing=cfg.iter_routing)
-      write_file(os.path.join(out_dir, "results.json"),
-                 json.dumps(result, indent=2), "w")
+      files.write_json(os.path.join(out_dir, "results.json"), result)
       write_predictions(os.path.join(out_dir, "predictions.csv"), labels, res)
       if cfg.use_decoder and cfg.image_channels == 1:
         write_pictures(sess, ev, caps_in, decoded, images, labels, cfg, out_dir)
@@ -163,7 +156,7 @@ def write_predictions(path, labels, res):
       f"length_{k}" for k in range(res["lengths"].shape[1]))]
   for i, (y, p, lens) in enumerate(zip(labels, res["predictions"], res["lengths"])):
     lines.append(f"{i},{y},{p}," + ",".join(f"{x:.5f}" for x in lens))
-  write_file(path, "\n".join(lines) + "\n", "w")
+  files.atomic_write(path, "\n".join(lines) + "\n")
 
 
 def write_pictures(sess, ev, caps_in, decoded, images, labels, cfg, out_dir):
@@ -176,7 +169,7 @@ def write_pictures(sess, ev, caps_in, decoded, images, labels, cfg, out_dir):
   pairs = np.stack([inputs[:FLAGS.num_images, ..., 0],
                     recon[:FLAGS.num_images].reshape(-1, size, size)], axis=1)
   png = tf.io.encode_png(tile(pairs.reshape(-1, size, size), columns=8))
-  write_file(os.path.join(out_dir, "reconstructions.png"), sess.run(png))
+  files.atomic_write(os.path.join(out_dir, "reconstructions.png"), sess.run(png))
   # Figure 4: for each image, 16 rows (dimensions) x 11 columns (perturbations).
   blocks = []
   for k in range(FLAGS.figure4_images):
@@ -190,7 +183,7 @@ def write_pictures(sess, ev, caps_in, decoded, images, labels, cfg, out_dir):
   tiles = [tile(b, columns=len(PERTURBATIONS)) for b in blocks]
   gap = np.full([tiles[0].shape[0], 8, 1], 255, np.uint8)
   grid = np.concatenate(sum(([t, gap] for t in tiles), [])[:-1], axis=1)
-  write_file(os.path.join(out_dir, "figure4.png"), sess.run(tf.io.encode_png(grid)))
+  files.atomic_write(os.path.join(out_dir, "figure4.png"), sess.run(tf.io.encode_png(grid)))
 
 
 def print_report(result, out_dir):

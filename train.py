@@ -30,6 +30,7 @@ import tqdm
 
 import config
 from capsnet import evaluation
+from capsnet import files
 from capsnet import input as data
 from capsnet import model
 
@@ -57,14 +58,6 @@ def tower_devices(device, num_towers):
     return [device]
   kind = device.rsplit(":", 1)[0]
   return [f"{kind}:{i}" for i in range(num_towers)]
-
-
-def write_json(path, obj):
-  """Writes JSON via a temporary file, so `path` is never half-written."""
-  tmp = path + ".tmp"
-  with open(tmp, "w") as f:
-    json.dump(obj, f, indent=2)
-  os.replace(tmp, path)
 
 
 def train_settings():
@@ -95,7 +88,7 @@ def check_logdir(logdir, cfg):
         raise ValueError(f"{path} has {field}={before!r}, the flags give "
                          f"{value!r}: use another --logdir or the same value")
   os.makedirs(logdir, exist_ok=True)
-  write_json(path, {"model": dataclasses.asdict(cfg), "train": train_settings()})
+  files.write_json(path, {"model": dataclasses.asdict(cfg), "train": train_settings()})
 
 
 class Graph:
@@ -341,7 +334,7 @@ def train(cfg, devices, splits):
     g.saver_best.restore(sess, best)
     test = evaluation.run(sess, g.eval, *splits["test"], cfg.num_classes)
     result = dict(evaluation.summary(test), checkpoint=best, split="test")
-    write_json(os.path.join(logdir, "test_results.json"), result)
+    files.write_json(os.path.join(logdir, "test_results.json"), result)
     print(f"test ({best}): accuracy {test['accuracy']:.4f}, error "
           f"{test['error_percent']:.2f}% on {test['count']} images")
 

@@ -25,7 +25,9 @@ flags.DEFINE_integer("batch_size", 128, "images per step", lower_bound=1)
 flags.DEFINE_integer("iter_routing", 3, "routing iterations", lower_bound=1)
 flags.DEFINE_list("precision", ["fp32", "bf16"], "precisions to measure")
 flags.DEFINE_list("variants", ["ours", "tiled"], "ours and/or tiled (baseline)")
-flags.DEFINE_list("modes", ["train", "infer"], "train and/or infer")
+flags.DEFINE_list("modes", ["train", "infer", "input"],
+                  "train, infer (model steps) and/or input (the training input "
+                  "pipeline alone: shuffle order, shift augmentation, batching)")
 flags.DEFINE_enum("conv_impl", "custom_grad", ["custom_grad", "conv2d"],
                   "strided convolution of `ours` (the baseline uses conv2d)")
 flags.DEFINE_integer("steps", 12, "timed steps (median is reported)", lower_bound=1)
@@ -146,6 +148,36 @@ def _measure(variant, precision, mode, settings, queue):
              "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024})
 
 
+def _measure_input(settings, queue, n=55000, batches=200):
+  """Child process: images/s of the training tf.data pipeline, augmentation on."""
+  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+  import numpy as np
+  import tensorflow as tf
+  from capsnet import input as data
+  tf.compat.v1.disable_eager_execution()
+  rng = np.random.RandomState(0)
+  images = rng.randint(0, 256, (n, 28, 28, 1)).astype(np.uint8)
+  labels = rng.randint(0, 10, n).astype(np.int32)
+  batch = settings["batch_size"]
+  with tf.Graph().as_default():
+    x = tf.compat.v1.placeholder(tf.uint8, [None, 28, 28, 1])
+    y = tf.compat.v1.placeholder(tf.int32, [None])
+    ds = data.make_dataset(x, y, batch, augment=True, seed=1, drop_remainder=True)
+    it = tf.compat.v1.data.make_initializable_iterator(ds)
+    nxt = it.get_next()
+    with tf.compat.v1.Session() as sess:
+      order = data.epoch_order(n, 0, 0)
+      sess.run(it.initializer, {x: images[order], y: labels[order]})
+      for _ in range(10):
+        sess.run(nxt)
+      t = time.perf_counter()
+      for _ in range(batches):
+        sess.run(nxt)
+      wall = time.perf_counter() - t
+  queue.put({"mode": "input", "batch_size": batch,
+             "images_per_sec": batches * batch / wall})
+
+
 def _matmul_peak(dtype_name, queue, n=2048, reps=10):
   """Child process: best GFLOP/s of an n x n matmul chain in TensorFlow."""
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -182,7 +214,12 @@ def run(settings, precisions, variants, modes):
   peaks = {p: _in_child(_matmul_peak, "float32" if p == "fp32" else "bfloat16")
            for p in ["fp32"] + [p for p in precisions if p != "fp32"]}
   results = []
-  for mode in modes:
+  if "input" in modes:
+    r = _in_child(_measure_input, settings)
+    results.append(r)
+    print(f"input pipeline (shift augmentation, batch {r['batch_size']}): "
+          f"{r['images_per_sec']:.0f} images/s", flush=True)
+  for mode in (m for m in modes if m != "input"):
     for precision in precisions:
       for variant in variants:
         r = _in_child(_measure, variant, precision, mode, settings)
@@ -193,7 +230,7 @@ def run(settings, precisions, variants, modes):
               f"{r['gflops']:6.1f} GFLOP/s = {r['fraction_of_fp32_peak']:.2f} of fp32 "
               f"peak  peak RSS {r['peak_rss_mib']:6.0f} MiB", flush=True)
   ratios = {}
-  for mode in modes:
+  for mode in (m for m in modes if m != "input"):
     by = {(r["precision"], r["variant"]): r["images_per_sec"]
           for r in results if r["mode"] == mode}
     for p in precisions:
@@ -201,6 +238,11 @@ def run(settings, precisions, variants, modes):
         ratios[f"{mode}_{p}_ours_over_tiled"] = by[(p, "ours")] / by[(p, "tiled")]
     if ("bf16", "ours") in by and ("fp32", "ours") in by:
       ratios[f"{mode}_bf16_over_fp32"] = by[("bf16", "ours")] / by[("fp32", "ours")]
+  if "input" in modes and "train" in modes:
+    fed = results[0]["images_per_sec"]
+    for r in results:
+      if r["mode"] == "train" and r["variant"] == "ours":
+        ratios[f"input_over_train_{r['precision']}"] = fed / r["images_per_sec"]
   print(f"matmul peak (same run): " + ", ".join(
       f"{p} {g:.0f} GFLOP/s" for p, g in peaks.items()))
   for k, v in ratios.items():
@@ -217,6 +259,9 @@ def main(argv):
   for p in FLAGS.precision:
     if p not in ("fp32", "bf16"):
       raise app.UsageError(f"--precision: {p!r} is not fp32 or bf16")
+  for m in FLAGS.modes:
+    if m not in ("train", "infer", "input"):
+      raise app.UsageError(f"--modes: {m!r} is not train, infer or input")
   for v in FLAGS.variants:
     if v not in ("ours", "tiled"):
       raise app.UsageError(f"--variants: {v!r} is not ours or tiled")

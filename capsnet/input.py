@@ -18,6 +18,8 @@ import urllib.request
 import numpy as np
 import tensorflow as tf
 
+from capsnet import files
+
 IMAGE_MAGIC = 2051   # 0x00000803: unsigned byte, 3 dimensions
 LABEL_MAGIC = 2049   # 0x00000801: unsigned byte, 1 dimension
 MAX_SHIFT = 2        # the paper's augmentation: shifts of up to 2 pixels
@@ -116,10 +118,7 @@ def _load_verified(data_dir):
 
 
 def _save_verified(data_dir, verified):
-  tmp = os.path.join(data_dir, _VERIFIED + ".tmp")
-  with open(tmp, "w") as f:
-    json.dump(verified, f, indent=1)
-  os.replace(tmp, os.path.join(data_dir, _VERIFIED))
+  files.write_json(os.path.join(data_dir, _VERIFIED), verified)
 
 
 def _check_present(path, md5, size, verified):

@@ -14,6 +14,7 @@ one resumes, so the study can be stopped and continued. At the end the study
 writes <out>/results.md (the table) and <out>/val_error.png (validation error
 against epoch for each variant).
 """
+import io
 import json
 import os
 import statistics
@@ -22,6 +23,8 @@ import sys
 
 from absl import app
 from absl import flags
+
+from capsnet import files
 
 VARIANTS = {           # name: (iter_routing, stop_gradient)
     "r1": (1, True),
@@ -142,9 +145,10 @@ def plot(rows, path):
   ax.legend(title="variant (solid: seed 0, dashed: others)", fontsize=8)
   ax.set_title("CapsNet on MNIST: routing variants")
   fig.tight_layout()
-  fig.savefig(path + ".tmp.png")
-  os.replace(path + ".tmp.png", path)
+  png = io.BytesIO()
+  fig.savefig(png, format="png")
   plt.close(fig)
+  files.atomic_write(path, png.getvalue())
 
 
 def main(argv):
@@ -171,10 +175,8 @@ def main(argv):
                  f"see {folder}.log")
   rows = summarize(FLAGS.out, FLAGS.variants, FLAGS.seeds, FLAGS.epochs)
   table = markdown(rows)
-  with open(os.path.join(FLAGS.out, "results.md"), "w") as f:
-    f.write(table)
-  with open(os.path.join(FLAGS.out, "results.json"), "w") as f:
-    json.dump(rows, f, indent=1)
+  files.atomic_write(os.path.join(FLAGS.out, "results.md"), table)
+  files.write_json(os.path.join(FLAGS.out, "results.json"), rows)
   if rows:
     plot(rows, os.path.join(FLAGS.out, "val_error.png"))
   print(table)
