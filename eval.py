@@ -107,6 +107,7 @@ def tile(images, columns, gap=2):
 
 def main(argv):
   del argv
+  tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.ERROR)  # deprecations
   try:
     ckpt, run_dir = resolve(FLAGS.checkpoint, FLAGS.which)
     cfg, train_settings = load_config(run_dir)

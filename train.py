@@ -181,6 +181,7 @@ def session_config(devices):
 
 def main(argv):
   del argv
+  tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.ERROR)  # deprecations
   try:
     cfg = config.model_config_from_flags()
     if FLAGS.batch_size % FLAGS.num_gpus:

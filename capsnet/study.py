@@ -130,6 +130,7 @@ def plot(rows, path):
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
+  import matplotlib.ticker
   fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
   for k, r in enumerate(rows):
     colour = f"C{k}"
@@ -141,6 +142,8 @@ def plot(rows, path):
   ax.set_xlabel("epoch")
   ax.set_ylabel("validation error (%)")
   ax.set_yscale("log")
+  ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+  ax.yaxis.set_minor_formatter(matplotlib.ticker.ScalarFormatter())
   ax.grid(True, which="both", alpha=0.3)
   ax.legend(title="variant (solid: seed 0, dashed: others)", fontsize=8)
   ax.set_title("CapsNet on MNIST: routing variants")
