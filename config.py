@@ -6,6 +6,7 @@ import) and read FLAGS (in main); the graph builder takes the plain config.
 import dataclasses
 
 from absl import flags
+import tensorflow as tf
 
 from capsnet import input as data
 from capsnet import model
@@ -119,6 +120,11 @@ def model_config_from_flags(values=None):
                          f"got {value!r}") from None
     kwargs[field.name] = value
   return model.ModelConfig(**kwargs)
+
+
+def default_device():
+  """/gpu:0 when TensorFlow sees a GPU, else /cpu:0 (the --device default)."""
+  return "/gpu:0" if tf.config.list_physical_devices("GPU") else "/cpu:0"
 
 
 def data_dir():

@@ -126,8 +126,8 @@ def main(argv):
 def evaluate(cfg, ckpt, images, labels, dataset, run_dir):
   out_dir = FLAGS.out_dir or os.path.join(
       run_dir, f"eval_{os.path.basename(ckpt)}_r{cfg.iter_routing}_{FLAGS.split}")
-  device = FLAGS.device or ("/gpu:0" if tf.config.list_physical_devices("GPU") else "/cpu:0")
-  with tf.Graph().as_default() as graph:
+  device = FLAGS.device or config.default_device()
+  with tf.Graph().as_default():
     ev = evaluation.build(cfg, FLAGS.batch_size, device)
     caps_in = tf.compat.v1.placeholder(ev.outputs.v.dtype,
                                        [None, cfg.num_classes * cfg.digit_dim])

@@ -48,10 +48,6 @@ class TrainingError(Exception):
   """Training cannot go on (non-finite loss)."""
 
 
-def default_device():
-  return "/gpu:0" if tf.config.list_physical_devices("GPU") else "/cpu:0"
-
-
 def tower_devices(device, num_towers):
   """['/gpu:0', '/gpu:1', ...] from --device=/gpu:0 and --num_gpus=2."""
   if num_towers == 1:
@@ -187,7 +183,7 @@ def main(argv):
     if FLAGS.batch_size % FLAGS.num_gpus:
       raise ValueError(f"--batch_size={FLAGS.batch_size} must divide by "
                        f"--num_gpus={FLAGS.num_gpus}")
-    device = FLAGS.device or default_device()
+    device = FLAGS.device or config.default_device()
     devices = tower_devices(device, FLAGS.num_gpus)
     splits = data.load(FLAGS.dataset, config.data_dir(), FLAGS.val_size,
                        FLAGS.download)

@@ -243,7 +243,7 @@ def run(settings, precisions, variants, modes):
     for r in results:
       if r["mode"] == "train" and r["variant"] == "ours":
         ratios[f"input_over_train_{r['precision']}"] = fed / r["images_per_sec"]
-  print(f"matmul peak (same run): " + ", ".join(
+  print("matmul peak (same run): " + ", ".join(
       f"{p} {g:.0f} GFLOP/s" for p, g in peaks.items()))
   for k, v in ratios.items():
     print(f"{k}: {v:.2f}x")

@@ -10,13 +10,7 @@ import tensorflow as tf
 
 from capsnet import layers
 from capsnet import losses
-
-# Fields that fix the variables (names and shapes) of a model. A checkpoint
-# only restores into a graph that agrees on all of them.
-ARCH_FIELDS = ("image_size", "image_channels", "num_classes", "conv1_channels",
-               "conv1_kernel", "primary_types", "primary_dim", "primary_kernel",
-               "primary_stride", "digit_dim", "decoder_units", "use_decoder",
-               "dtype")
+from capsnet import routing
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,15 +97,6 @@ class ModelConfig:
     return self.image_size ** 2 * self.image_channels
 
 
-def arch_differences(a, b):
-  """Names of the ARCH_FIELDS on which two config dicts disagree."""
-  return [f for f in ARCH_FIELDS if _normal(a.get(f)) != _normal(b.get(f))]
-
-
-def _normal(value):
-  return tuple(value) if isinstance(value, list) else value
-
-
 Outputs = collections.namedtuple("Outputs", [
     "v",                # [batch, num_classes, digit_dim] DigitCaps
     "lengths",          # [batch, num_classes] capsule lengths
@@ -157,7 +142,7 @@ def forward(images, labels, cfg, training):
     v, c, u_hat = layers.digit_caps(u, cfg.num_classes, cfg.digit_dim,
                                     cfg.iter_routing, cfg.stop_gradient,
                                     compute)
-    lengths = layers.routing.safe_norm(v)            # [b, o]
+    lengths = routing.safe_norm(v)                   # [b, o]
     predictions = tf.argmax(lengths, axis=1, output_type=tf.int32)
     margin = losses.margin_loss(lengths, labels, cfg.m_plus, cfg.m_minus,
                                 cfg.down_weight)

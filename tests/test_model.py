@@ -1,6 +1,4 @@
 """Model structure, losses, decoder masking, config validation, precision."""
-import dataclasses
-
 import numpy as np
 import pytest
 import tensorflow as tf

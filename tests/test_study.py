@@ -5,11 +5,10 @@ import subprocess
 import sys
 
 import numpy as np
-import pytest
 
 from capsnet import study
 from conftest import ROOT
-from test_train import MNIST, SMALL, needs_mnist
+from test_train import SMALL, needs_mnist
 
 
 def fake_run(folder, test_error, val_errors, diag, epochs=1, speed=100.0):
