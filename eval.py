@@ -141,7 +141,7 @@ def evaluate(cfg, ckpt, images, labels, dataset, run_dir):
     proto = tf.compat.v1.ConfigProto(allow_soft_placement=True)
     with tf.compat.v1.Session(config=proto) as sess:
       saver.restore(sess, ckpt)
-      res = evaluation.run(sess, ev, images, labels, cfg.num_classes)
+      res = evaluation.run(sess, ev, images, labels)
       os.makedirs(out_dir, exist_ok=True)
       result = dict(evaluation.summary(res), checkpoint=ckpt, dataset=dataset,
                     split=FLAGS.split, iter_routing=cfg.iter_routing)

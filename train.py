@@ -240,7 +240,7 @@ def train(cfg, devices, splits):
       """Scores the validation split, appends `row` to metrics.jsonl and
       saves the best checkpoint; returns the best validation accuracy."""
       if len(val_y):
-        val = evaluation.run(sess, g.eval, val_x, val_y, cfg.num_classes)
+        val = evaluation.run(sess, g.eval, val_x, val_y)
         row.update(val_loss=val["loss"], val_accuracy=val["accuracy"],
                    val_error_percent=val["error_percent"])
         print(f"epoch {row['epoch']}: validation accuracy {val['accuracy']:.4f} "
@@ -252,8 +252,7 @@ def train(cfg, devices, splits):
         # Without a validation split the newest state counts as the best.
         best_val = val["accuracy"] if len(val_y) else best_val
         save(g.saver_best, best_dir, epoch, examples, best_val)
-      with open(os.path.join(logdir, "metrics.jsonl"), "a") as f:
-        f.write(json.dumps(row) + "\n")
+      files.append_jsonl(os.path.join(logdir, "metrics.jsonl"), row)
       return best_val
 
     def out_of_steps():
@@ -329,7 +328,7 @@ def train(cfg, devices, splits):
       print("No completed epoch yet: no best checkpoint to test")
       return
     g.saver_best.restore(sess, best)
-    test = evaluation.run(sess, g.eval, *splits["test"], cfg.num_classes)
+    test = evaluation.run(sess, g.eval, *splits["test"])
     result = dict(evaluation.summary(test), checkpoint=best, split="test")
     files.write_json(os.path.join(logdir, "test_results.json"), result)
     print(f"test ({best}): accuracy {test['accuracy']:.4f}, error "
@@ -348,8 +347,7 @@ def record_diagnostic(sess, g, writer, step, epoch, examples, steps_per_epoch):
   add_scalars(writer, step, {f"grad_through_routing/{k}": v for k, v in values.items()})
   row = {"step": step, "epoch": round(epoch + examples / (steps_per_epoch * FLAGS.batch_size), 3)}
   row.update(values)
-  with open(os.path.join(FLAGS.logdir, "diagnostics.jsonl"), "a") as f:
-    f.write(json.dumps(row) + "\n")
+  files.append_jsonl(os.path.join(FLAGS.logdir, "diagnostics.jsonl"), row)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ peak RSS. `tiled` is the naive baseline: W tiled over the batch and routing by
 broadcast-multiply-then-reduce, as the well-known TF1 reference does it, and
 TensorFlow's own conv2d gradients.
 """
-import json
 import multiprocessing
 import os
 import resource
@@ -20,6 +19,8 @@ import time
 
 from absl import app
 from absl import flags
+
+from capsnet import files
 
 flags.DEFINE_integer("batch_size", 128, "images per step", lower_bound=1)
 flags.DEFINE_integer("iter_routing", 3, "routing iterations", lower_bound=1)
@@ -105,8 +106,8 @@ def _build(variant, cfg, images, labels, train):
       lengths = routing.safe_norm(v)
       predictions = tf.argmax(lengths, 1)
       mask = tf.one_hot(labels if train else predictions, cfg.num_classes)
-      recon = layers.decoder(tf.reshape(v * mask[..., None], [-1, 160]),
-                             cfg.decoder_units, cfg.num_pixels, compute)
+      caps = tf.reshape(v * mask[..., None], [-1, cfg.num_classes * cfg.digit_dim])
+      recon = layers.decoder(caps, cfg.decoder_units, cfg.num_pixels, compute)
       loss = tf.reduce_mean(losses.margin_loss(lengths, labels)
                             + losses.reconstruction_loss(recon, images))
   if not train:
@@ -267,8 +268,7 @@ def main(argv):
       raise app.UsageError(f"--variants: {v!r} is not ours or tiled")
   report = run(settings, FLAGS.precision, FLAGS.variants, FLAGS.modes)
   if FLAGS.json:
-    with open(FLAGS.json, "w") as f:
-      json.dump(report, f, indent=2)
+    files.write_json(FLAGS.json, report)
 
 
 if __name__ == "__main__":

@@ -33,19 +33,18 @@ def build(cfg, batch_size, device=None):
   return EvalGraph(images, labels, iterator, outputs, batch_images)
 
 
-def run(sess, graph, images, labels, num_classes, extra=None):
+def run(sess, graph, images, labels):
   """Scores every example of (images, labels) once.
 
-  Args:
-    extra: optional dict name -> per-example tensor to collect as well.
-  Returns: dict with count, accuracy, error_percent, loss, margin_loss,
-    recon_loss (means over examples), per_class_accuracy, confusion
-    (rows = label, columns = prediction), predictions, lengths, and `extra`.
+  Returns: dict with count, accuracy, error_percent, loss, margin_loss_mean,
+    recon_loss_mean (means over examples), per_class_accuracy, confusion
+    (rows = label, columns = prediction), and the per-example predictions,
+    lengths, margin_loss and recon_loss.
   """
   out = graph.outputs
+  num_classes = out.lengths.shape[-1]
   fetch = {"predictions": out.predictions, "lengths": out.lengths,
            "margin_loss": out.margin_loss, "recon_loss": out.recon_loss}
-  fetch.update(extra or {})
   sess.run(graph.iterator.initializer, {graph.images: images, graph.labels: labels})
   parts = collections.defaultdict(list)
   while True:

@@ -13,3 +13,9 @@ def atomic_write(path, data):
 
 def write_json(path, obj):
   atomic_write(path, json.dumps(obj, indent=2))
+
+
+def append_jsonl(path, row):
+  """Appends one JSON line (metrics.jsonl, diagnostics.jsonl)."""
+  with open(path, "a") as f:
+    f.write(json.dumps(row) + "\n")
