@@ -140,8 +140,7 @@ def forward(images, labels, cfg, training):
                             cfg.primary_kernel, cfg.primary_stride, compute,
                             cfg.conv_impl)            # [b, i, k]
     v, c, u_hat = layers.digit_caps(u, cfg.num_classes, cfg.digit_dim,
-                                    cfg.iter_routing, cfg.stop_gradient,
-                                    compute)
+                                    cfg.iter_routing, cfg.stop_gradient)
     lengths = routing.safe_norm(v)                   # [b, o]
     predictions = tf.argmax(lengths, axis=1, output_type=tf.int32)
     margin = losses.margin_loss(lengths, labels, cfg.m_plus, cfg.m_minus,
