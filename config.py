@@ -34,8 +34,9 @@ _MODEL_HELP = {
     "recon_weight": "weight of the summed squared reconstruction error",
     "dtype": "variable and routing dtype: float32 or float64",
     "precision": "fp32, or bf16: convolutions and matmuls in bfloat16 (mixed)",
-    "conv_impl": "strided convolutions: custom_grad (gradients as stride-1 "
-                 "convolutions, faster) or conv2d (TensorFlow's gradients)",
+    "conv_impl": "convolution gradients: custom_grad (strided ones as stride-1 "
+                 "convolutions; in bf16 Conv1's filter gradient as one GEMM; "
+                 "faster) or conv2d (TensorFlow's gradients)",
 }
 
 

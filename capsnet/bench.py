@@ -98,7 +98,8 @@ def _build(variant, cfg, images, labels, train):
   else:
     compute = tf.bfloat16 if cfg.precision == "bf16" else None
     with tf.compat.v1.variable_scope("capsnet"):
-      x = layers.conv1(images, cfg.conv1_channels, cfg.conv1_kernel, compute)
+      x = layers.conv1(images, cfg.conv1_channels, cfg.conv1_kernel, compute,
+                       conv_impl="conv2d")
       u = layers.primary_caps(x, cfg.primary_types, cfg.primary_dim,
                               cfg.primary_kernel, cfg.primary_stride, compute,
                               conv_impl="conv2d")

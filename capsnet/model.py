@@ -36,7 +36,7 @@ class ModelConfig:
   recon_weight: float = 0.0005   # scales the *sum* of squared errors
   dtype: str = "float32"         # variables and routing: float32 or float64
   precision: str = "fp32"        # fp32, or bf16: convs and matmuls in bfloat16
-  conv_impl: str = "custom_grad" # strided convs: custom_grad (fast) or conv2d
+  conv_impl: str = "custom_grad" # conv gradients: custom_grad (fast) or conv2d
 
   def __post_init__(self):
     object.__setattr__(self, "decoder_units", tuple(self.decoder_units))
@@ -135,7 +135,8 @@ def forward(images, labels, cfg, training):
   images = tf.cast(images, dtype)
   labels = tf.cast(labels, tf.int32)
   with tf.compat.v1.variable_scope("capsnet", reuse=tf.compat.v1.AUTO_REUSE):
-    x = layers.conv1(images, cfg.conv1_channels, cfg.conv1_kernel, compute)
+    x = layers.conv1(images, cfg.conv1_channels, cfg.conv1_kernel, compute,
+                     cfg.conv_impl)
     u = layers.primary_caps(x, cfg.primary_types, cfg.primary_dim,
                             cfg.primary_kernel, cfg.primary_stride, compute,
                             cfg.conv_impl)            # [b, i, k]

@@ -177,3 +177,27 @@ def test_bf16_and_fp32_predictions_agree():
   np.testing.assert_allclose(lengths16, lengths32, atol=0.02)
   np.testing.assert_array_equal(preds16, preds32)
   assert np.abs(lengths16 - lengths32).max() > 0   # bf16 really ran
+
+
+@pytest.mark.parametrize("channels,relu", [(1, True), (3, False)])
+def test_patch_grad_convolution_equals_conv2d(channels, relu):
+  """The patches-GEMM gradients of a stride-1 conv + bias (+ ReLU), float64:
+  value, input, filter and bias gradients equal TensorFlow's."""
+  rng = np.random.RandomState(0)
+  x, w, b = rng.randn(2, 9, 8, channels), rng.randn(4, 3, channels, 5), rng.randn(5)
+  up = rng.randn(2, 6, 6, 5)
+  results = {}
+  for impl in ("tensorflow", "patch"):
+    with tf.Graph().as_default(), tf.compat.v1.Session() as sess:
+      xt, wt, bt = tf.constant(x), tf.constant(w), tf.constant(b)
+      if impl == "patch":
+        y = layers._patch_grad_conv(xt, wt, bt, relu)
+      else:
+        y = tf.nn.bias_add(tf.nn.conv2d(xt, wt, 1, "VALID"), bt)
+        y = tf.nn.relu(y) if relu else y
+      grads = tf.gradients(y, [xt, wt, bt], grad_ys=tf.constant(up))
+      results[impl] = sess.run([y] + grads)
+  assert results["patch"][0].shape == (2, 6, 6, 5)
+  assert (results["tensorflow"][0] == 0).any() == relu   # the ReLU does cut
+  for a, b_ in zip(results["tensorflow"], results["patch"]):
+    np.testing.assert_allclose(a, b_, rtol=1e-10, atol=1e-12)
