@@ -154,6 +154,25 @@ def test_custom_grad_convolution_equals_conv2d(size, kernel, stride):
     np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("size,kernel,stride", [(10, 3, 2), (20, 9, 2), (11, 4, 3)])
+@pytest.mark.parametrize("input_grad", ["phases", "dilated"])
+def test_strided_conv_input_gradients_equal_conv2d(size, kernel, stride, input_grad):
+  """Both input-gradient methods (float64), whatever the dtype default."""
+  rng = np.random.RandomState(1)
+  out = (size - kernel) // stride + 1
+  x, w = rng.randn(2, size, size + 1, 3), rng.randn(kernel, kernel, 3, 4)
+  up = rng.randn(2, out, (size + 1 - kernel) // stride + 1, 4)
+  with tf.Graph().as_default(), tf.compat.v1.Session() as sess:
+    xt, wt = tf.constant(x), tf.constant(w)
+    y = layers._strided_conv(xt, wt, stride, input_grad)
+    ref = tf.nn.conv2d(xt, wt, strides=stride, padding="VALID")
+    grads = tf.gradients(y, [xt, wt], grad_ys=tf.constant(up))
+    ref_grads = tf.gradients(ref, [xt, wt], grad_ys=tf.constant(up))
+    ours, theirs = sess.run([[y] + grads, [ref] + ref_grads])
+  for a, b in zip(theirs, ours):
+    np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
+
+
 def test_bf16_and_fp32_predictions_agree():
   """Paper model, fixed weights and batch: bf16 within bf16 tolerance."""
   rng = np.random.RandomState(0)
