@@ -35,8 +35,8 @@ _MODEL_HELP = {
     "dtype": "variable and routing dtype: float32 or float64",
     "precision": "fp32, or bf16: convolutions and matmuls in bfloat16 (mixed)",
     "conv_impl": "convolution gradients: custom_grad (strided ones as stride-1 "
-                 "convolutions; in bf16 Conv1's filter gradient as one GEMM; "
-                 "faster) or conv2d (TensorFlow's gradients)",
+                 "convolutions, Conv1's filter gradient as one GEMM; faster) "
+                 "or conv2d (TensorFlow's gradients)",
 }
 
 

@@ -58,10 +58,15 @@ def flops_per_image(cfg, train):
 
 
 def tiled_digit_caps(u, cfg, compute_dtype):
-  """Baseline DigitCaps: W tiled over the batch, broadcast routing.
+  """Baseline DigitCaps: W and u tiled over the batch, routing as in the TF1
+  reference (its `routing()` in capsLayer.py): `s_j` by broadcast multiply
+  and reduce, the agreement by tiling `v_j` over the input capsules and a
+  batched [16, 1]^T [16, 1] matmul. Logits are per example, as in our model
+  (the reference sums them over the batch), and the inner iterations read a
+  stopped `u_hat` when `cfg.stop_gradient`.
 
   Same math and variable as `layers.digit_caps` (W [in_caps, out_caps, in_dim,
-  out_dim]); the layout follows the TF1 reference. Returns v [b, o, d].
+  out_dim]). Returns v [b, o, d].
   """
   import tensorflow as tf
   from capsnet import routing
@@ -84,7 +89,8 @@ def tiled_digit_caps(u, cfg, compute_dtype):
       s = tf.reduce_sum(c * uh, axis=1, keepdims=True)          # [b, 1, o, d, 1]
       v = routing.squash(s, axis=3)
       if not last:
-        b += tf.reduce_sum(uh * v, axis=3, keepdims=True)       # [b, i, o, 1, 1]
+        v_tiled = tf.tile(v, [1, cfg.in_caps, 1, 1, 1])         # [b, i, o, d, 1]
+        b += tf.matmul(uh, v_tiled, transpose_a=True)           # [b, i, o, 1, 1]
     return tf.squeeze(v, [1, 4])
 
 
@@ -129,8 +135,12 @@ def _measure(variant, precision, mode, settings, queue):
   batch = settings["batch_size"]
   with tf.Graph().as_default():
     rng = np.random.RandomState(0)
-    images = tf.constant(rng.rand(batch, 28, 28, 1).astype(np.float32))
-    labels = tf.constant(rng.randint(0, 10, batch).astype(np.int32))
+    # Variables, not constants: grappler would fold whatever depends on the
+    # images alone (e.g. Conv1's patches) and time less than training does.
+    images = tf.Variable(rng.rand(batch, 28, 28, 1).astype(np.float32),
+                         trainable=False)
+    labels = tf.Variable(rng.randint(0, 10, batch).astype(np.int32),
+                         trainable=False)
     op = _build(variant, cfg, images, labels, mode == "train")
     with tf.compat.v1.Session() as sess:
       sess.run(tf.compat.v1.global_variables_initializer())
