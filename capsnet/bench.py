@@ -6,10 +6,12 @@
 For each (variant, precision, mode) a fresh child process builds the paper
 model, runs --warmup steps, then times --steps steps one by one and reports
 the median images/s, the achieved GFLOP/s (analytic FLOP count, below), its
-fraction of the fp32 matmul peak measured in the same run, and the child's
-peak RSS. `tiled` is the naive baseline: W tiled over the batch and routing by
-broadcast-multiply-then-reduce, as the well-known TF1 reference does it, and
-TensorFlow's own conv2d gradients.
+fraction of the fp32 matmul peak measured in the same round, and the child's
+peak RSS. All of it is repeated in --rounds interleaved rounds, and the
+report gives the medians over rounds (of the ratios too, each taken within
+its round). `tiled` is the naive baseline: W and u tiled over the batch and
+routing as the well-known TF1 reference does it (`tiled_digit_caps`), with
+TensorFlow's own convolution gradients.
 """
 import multiprocessing
 import os
@@ -33,6 +35,8 @@ flags.DEFINE_enum("conv_impl", "custom_grad", ["custom_grad", "conv2d"],
                   "strided convolution of `ours` (the baseline uses conv2d)")
 flags.DEFINE_integer("steps", 12, "timed steps (median is reported)", lower_bound=1)
 flags.DEFINE_integer("warmup", 3, "untimed steps first", lower_bound=0)
+flags.DEFINE_integer("rounds", 3, "interleaved rounds of every measurement; the "
+                     "report gives their medians", lower_bound=1)
 flags.DEFINE_string("json", None, "also write the results here")
 FLAGS = flags.FLAGS
 
@@ -225,9 +229,12 @@ def _in_child(target, *args):
   return result
 
 
-def run(settings, precisions, variants, modes):
+def _one_round(settings, precisions, variants, modes):
+  """Every measurement once, each in a fresh child; ratios within the round."""
   peaks = {p: _in_child(_matmul_peak, "float32" if p == "fp32" else "bfloat16")
            for p in ["fp32"] + [p for p in precisions if p != "fp32"]}
+  print("matmul peak: " + ", ".join(f"{p} {g:.0f} GFLOP/s" for p, g in peaks.items()),
+        flush=True)
   results = []
   if "input" in modes:
     r = _in_child(_measure_input, settings)
@@ -258,12 +265,52 @@ def run(settings, precisions, variants, modes):
     for r in results:
       if r["mode"] == "train" and r["variant"] == "ours":
         ratios[f"input_over_train_{r['precision']}"] = fed / r["images_per_sec"]
-  print("matmul peak (same run): " + ", ".join(
-      f"{p} {g:.0f} GFLOP/s" for p, g in peaks.items()))
-  for k, v in ratios.items():
-    print(f"{k}: {v:.2f}x")
-  return {"settings": settings, "matmul_peak_gflops": peaks, "results": results,
-          "ratios": ratios}
+  return {"matmul_peak_gflops": peaks, "results": results, "ratios": ratios}
+
+
+def summarize(rounds):
+  """Medians over rounds: of each figure, and of each within-round ratio and
+  fraction of the same round's peak (peak RSS: the largest)."""
+  def key(r):
+    return (r["mode"], r.get("precision"), r.get("variant"))
+  results = []
+  for first in rounds[0]["results"]:
+    same = [r for rnd in rounds for r in rnd["results"] if key(r) == key(first)]
+    merged = dict(first)
+    for name, value in first.items():
+      if isinstance(value, float):
+        pick = max if name == "peak_rss_mib" else statistics.median
+        merged[name] = pick(r[name] for r in same)
+    results.append(merged)
+  medians = lambda field: {k: statistics.median(rnd[field][k] for rnd in rounds)
+                           for k in rounds[0][field]}
+  return {"matmul_peak_gflops": medians("matmul_peak_gflops"), "results": results,
+          "ratios": medians("ratios")}
+
+
+def run(settings, precisions, variants, modes, rounds=1):
+  """`rounds` interleaved rounds of every measurement, then their medians:
+  the machine drifts by 10-20% over minutes, so a figure measured once, or
+  all figures of one kind in a row, would compare different machine states."""
+  per_round = []
+  for n in range(rounds):
+    print(f"-- round {n + 1} of {rounds}", flush=True)
+    per_round.append(_one_round(settings, precisions, variants, modes))
+  summary = summarize(per_round)
+  print(f"-- median of {rounds} round(s)")
+  for r in summary["results"]:
+    if r["mode"] == "input":
+      print(f"input pipeline {r['images_per_sec']:.0f} images/s")
+    else:
+      print(f"{r['mode']:5s} {r['precision']:4s} {r['variant']:5s} "
+            f"{r['images_per_sec']:7.1f} images/s  {r['fraction_of_fp32_peak']:.2f} "
+            f"of fp32 peak  peak RSS {r['peak_rss_mib']:6.0f} MiB")
+  print("matmul peak: " + ", ".join(
+      f"{p} {g:.0f} GFLOP/s" for p, g in summary["matmul_peak_gflops"].items()))
+  for k, v in summary["ratios"].items():
+    spread = [rnd["ratios"][k] for rnd in per_round]
+    print(f"{k}: {v:.2f}x  (rounds: {', '.join(f'{x:.2f}' for x in spread)})")
+  return {"settings": dict(settings, rounds=rounds), **summary, "rounds": per_round}
 
 
 def main(argv):
@@ -280,7 +327,8 @@ def main(argv):
   for v in FLAGS.variants:
     if v not in ("ours", "tiled"):
       raise app.UsageError(f"--variants: {v!r} is not ours or tiled")
-  report = run(settings, FLAGS.precision, FLAGS.variants, FLAGS.modes)
+  report = run(settings, FLAGS.precision, FLAGS.variants, FLAGS.modes,
+               FLAGS.rounds)
   if FLAGS.json:
     files.write_json(FLAGS.json, report)
 

@@ -1,0 +1,83 @@
+"""The benchmark: its FLOP count, its baseline's math, its CLI."""
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from capsnet import bench
+from capsnet import layers
+from capsnet import model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_flops_per_image_paper_model():
+  """Counted by hand from the layer shapes (see the docstring)."""
+  cfg = model.ModelConfig()
+  conv1 = 2 * 20 * 20 * 81 * 256                      # 16,588,800
+  rest = (2 * 6 * 6 * 81 * 256 * 256                   # PrimaryCaps
+          + 2 * 1152 * 10 * 8 * 16                     # u_hat
+          + 2 * 1152 * 10 * 16 * 5                     # 3 sums + 2 agreements
+          + 2 * (160 * 512 + 512 * 1024 + 1024 * 784))  # decoder
+  assert bench.flops_per_image(cfg, train=False) == conv1 + rest == 406_405_120
+  assert bench.flops_per_image(cfg, train=True) == 2 * conv1 + 3 * rest
+  no_dec = model.ModelConfig(use_decoder=False)
+  assert bench.flops_per_image(cfg, False) - bench.flops_per_image(no_dec, False) \
+      == 2 * (160 * 512 + 512 * 1024 + 1024 * 784)
+
+
+@pytest.mark.parametrize("iters,stop", [(1, True), (3, True), (3, False)])
+def test_tiled_baseline_computes_the_same_capsules(tiny_cfg, iters, stop):
+  """Same W and u: the baseline's v and its gradient equal ours."""
+  cfg = dataclasses.replace(tiny_cfg, iter_routing=iters, stop_gradient=stop)
+  rng = np.random.RandomState(0)
+  u0 = rng.randn(3, cfg.in_caps, cfg.primary_dim) * 0.5        # float64
+  w0 = rng.randn(cfg.in_caps, cfg.num_classes, cfg.primary_dim, cfg.digit_dim) * 0.3
+  out = {}
+  for variant in ("ours", "tiled"):
+    with tf.Graph().as_default(), tf.compat.v1.Session() as sess:
+      u = tf.constant(u0)
+      if variant == "ours":
+        v = layers.digit_caps(u, cfg.num_classes, cfg.digit_dim, iters, stop)[0]
+      else:
+        v = bench.tiled_digit_caps(u, cfg, None)
+      w = tf.compat.v1.global_variables()[0]
+      w.load(w0, sess)
+      grad = tf.gradients(tf.reduce_sum(v * np.arange(v.shape[-1])), [w, u])
+      out[variant] = sess.run([v] + grad)
+  for a, b in zip(out["ours"], out["tiled"]):
+    np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
+
+
+def _bench(*args):
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+  return subprocess.run([sys.executable, "-m", "capsnet.bench", *args], cwd=ROOT,
+                        env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_cli_rejects_unknown_precision():
+  proc = _bench("--precision=fp16")
+  assert proc.returncode != 0
+  assert "--precision: 'fp16' is not fp32 or bf16" in proc.stderr
+
+
+def test_cli_small_run_writes_json(tmp_path):
+  """One round, tiny batch: the report's structure and its ratios."""
+  path = tmp_path / "bench.json"
+  proc = _bench("--batch_size=4", "--steps=1", "--warmup=0", "--rounds=2",
+                "--modes=infer", "--precision=fp32", f"--json={path}")
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  report = json.loads(path.read_text())
+  assert report["settings"]["rounds"] == 2 and len(report["rounds"]) == 2
+  assert {(r["variant"], r["mode"]) for r in report["results"]} == {
+      ("ours", "infer"), ("tiled", "infer")}
+  for r in report["results"]:
+    assert r["images_per_sec"] > 0 and 0 < r["fraction_of_fp32_peak"] < 2
+  per_round = [rnd["ratios"]["infer_fp32_ours_over_tiled"] for rnd in report["rounds"]]
+  assert report["ratios"]["infer_fp32_ours_over_tiled"] == pytest.approx(np.median(per_round))
+  assert "median of 2 round(s)" in proc.stdout
