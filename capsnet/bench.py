@@ -2,6 +2,7 @@
 
   python -m capsnet.bench                       # fp32 and bf16, train and infer
   python -m capsnet.bench --precision=fp32 --json=bench.json
+  python -m capsnet.bench --profile               # where the step's time goes
 
 For each (variant, precision, mode) a fresh child process builds the paper
 model, runs --warmup steps, then times --steps steps one by one and reports
@@ -24,20 +25,29 @@ from absl import flags
 
 from capsnet import files
 
-flags.DEFINE_integer("batch_size", 128, "images per step", lower_bound=1)
-flags.DEFINE_integer("iter_routing", 3, "routing iterations", lower_bound=1)
-flags.DEFINE_list("precision", ["fp32", "bf16"], "precisions to measure")
-flags.DEFINE_list("variants", ["ours", "tiled"], "ours and/or tiled (baseline)")
-flags.DEFINE_list("modes", ["train", "infer", "input"],
-                  "train, infer (model steps) and/or input (the training input "
-                  "pipeline alone: shuffle order, shift augmentation, batching)")
-flags.DEFINE_enum("conv_impl", "custom_grad", ["custom_grad", "conv2d"],
-                  "strided convolution of `ours` (the baseline uses conv2d)")
-flags.DEFINE_integer("steps", 12, "timed steps (median is reported)", lower_bound=1)
-flags.DEFINE_integer("warmup", 3, "untimed steps first", lower_bound=0)
-flags.DEFINE_integer("rounds", 3, "interleaved rounds of every measurement; the "
-                     "report gives their medians", lower_bound=1)
-flags.DEFINE_string("json", None, "also write the results here")
+
+def define_flags():
+  """The command-line flags; defined when run as a program only, so that
+  importing this module (tests, other tools) adds no global flags."""
+  flags.DEFINE_integer("batch_size", 128, "images per step", lower_bound=1)
+  flags.DEFINE_integer("iter_routing", 3, "routing iterations", lower_bound=1)
+  flags.DEFINE_list("precision", ["fp32", "bf16"], "precisions to measure")
+  flags.DEFINE_list("variants", ["ours", "tiled"], "ours and/or tiled (baseline)")
+  flags.DEFINE_list("modes", ["train", "infer", "input"],
+                    "train, infer (model steps) and/or input (the training input "
+                    "pipeline alone: shuffle order, shift augmentation, batching)")
+  flags.DEFINE_enum("conv_impl", "custom_grad", ["custom_grad", "conv2d"],
+                    "convolution gradients of `ours` (the baseline uses conv2d)")
+  flags.DEFINE_integer("steps", 12, "timed steps (median is reported)", lower_bound=1)
+  flags.DEFINE_integer("warmup", 3, "untimed steps first", lower_bound=0)
+  flags.DEFINE_integer("rounds", 3, "interleaved rounds of every measurement; the "
+                       "report gives their medians", lower_bound=1)
+  flags.DEFINE_string("json", None, "also write the results here")
+  flags.DEFINE_bool("profile", False, "instead: where our training step's time "
+                    "goes (per layer and top ops, from a step trace), for each "
+                    "--precision")
+
+
 FLAGS = flags.FLAGS
 
 
@@ -127,25 +137,32 @@ def _build(variant, cfg, images, labels, train):
   return opt.minimize(loss)
 
 
-def _measure(variant, precision, mode, settings, queue):
-  """Child process: time one configuration, put a result dict on `queue`."""
-  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+def _step_graph(variant, precision, mode, settings):
+  """In the default graph: the config and the step op on a fixed batch."""
   import numpy as np
   import tensorflow as tf
   from capsnet import model
-  tf.compat.v1.disable_eager_execution()
   cfg = model.ModelConfig(iter_routing=settings["iter_routing"], precision=precision,
                           conv_impl=settings["conv_impl"])
   batch = settings["batch_size"]
+  rng = np.random.RandomState(0)
+  # Variables, not constants: grappler would fold whatever depends on the
+  # images alone (e.g. Conv1's patches) and time less than training does.
+  images = tf.Variable(rng.rand(batch, 28, 28, 1).astype(np.float32),
+                       trainable=False)
+  labels = tf.Variable(rng.randint(0, 10, batch).astype(np.int32),
+                       trainable=False)
+  return cfg, _build(variant, cfg, images, labels, mode == "train")
+
+
+def _measure(variant, precision, mode, settings, queue):
+  """Child process: time one configuration, put a result dict on `queue`."""
+  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+  import tensorflow as tf
+  tf.compat.v1.disable_eager_execution()
+  batch = settings["batch_size"]
   with tf.Graph().as_default():
-    rng = np.random.RandomState(0)
-    # Variables, not constants: grappler would fold whatever depends on the
-    # images alone (e.g. Conv1's patches) and time less than training does.
-    images = tf.Variable(rng.rand(batch, 28, 28, 1).astype(np.float32),
-                         trainable=False)
-    labels = tf.Variable(rng.randint(0, 10, batch).astype(np.int32),
-                         trainable=False)
-    op = _build(variant, cfg, images, labels, mode == "train")
+    cfg, op = _step_graph(variant, precision, mode, settings)
     with tf.compat.v1.Session() as sess:
       sess.run(tf.compat.v1.global_variables_initializer())
       for _ in range(settings["warmup"]):
@@ -162,6 +179,65 @@ def _measure(variant, precision, mode, settings, queue):
              "step_ms": 1000 * step, "gflop_per_image": gflop / batch,
              "gflops": gflop / step,
              "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024})
+
+
+# Where a traced op's time is booked, by the first match in its name.
+PROFILE_GROUPS = (("Adam", "Adam updates"),
+                  ("primary_caps", "PrimaryCaps conv (forward, gradients)"),
+                  ("conv1", "Conv1 (forward, gradients)"),
+                  ("digit_caps", "u_hat and routing (forward, gradients)"),
+                  ("decoder", "decoder"))
+
+
+def _profile(precision, settings, queue, traces=3, top=12):
+  """Child process: per-op times of our training step from TensorFlow's
+  step trace, ops run one at a time (inter-op threads 1) so that their times
+  add up to the step; put the per-group totals and the top ops on `queue`."""
+  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+  import collections
+  import tensorflow as tf
+  tf.compat.v1.disable_eager_execution()
+  per_op = collections.Counter()
+  with tf.Graph().as_default():
+    _, op = _step_graph("ours", precision, "train", settings)
+    config = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=1)
+    with tf.compat.v1.Session(config=config) as sess:
+      sess.run(tf.compat.v1.global_variables_initializer())
+      for _ in range(settings["warmup"]):
+        sess.run(op)
+      t = time.perf_counter()
+      sess.run(op)
+      step_ms = 1000 * (time.perf_counter() - t)
+      options = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE)
+      for _ in range(traces):
+        meta = tf.compat.v1.RunMetadata()
+        sess.run(op, options=options, run_metadata=meta)
+        for device in meta.step_stats.dev_stats:
+          for node in device.node_stats:
+            per_op[node.node_name] += node.all_end_rel_micros / 1000 / traces
+  groups = collections.Counter()
+  for name, ms in per_op.items():
+    label = next((g for key, g in PROFILE_GROUPS if key in name), "other")
+    groups[label] += ms
+  queue.put({"precision": precision, "untraced_step_ms": step_ms,
+             "traced_ms": sum(per_op.values()), "groups": dict(groups),
+             "top_ops": per_op.most_common(top)})
+
+
+def profile(settings, precisions):
+  """Prints where the training step's time goes, per precision."""
+  reports = []
+  for precision in precisions:
+    r = _in_child(_profile, precision, settings)
+    reports.append(r)
+    print(f"-- {precision}: traced ops {r['traced_ms']:.0f} ms "
+          f"(untraced step {r['untraced_step_ms']:.0f} ms)")
+    for label, ms in sorted(r["groups"].items(), key=lambda kv: -kv[1]):
+      print(f"{ms:8.1f} ms  {100 * ms / r['traced_ms']:4.1f}%  {label}")
+    print("top ops:")
+    for name, ms in r["top_ops"]:
+      print(f"{ms:8.1f} ms  {name}")
+  return {"settings": settings, "profiles": reports}
 
 
 def _measure_input(settings, queue, n=55000, batches=200):
@@ -327,11 +403,15 @@ def main(argv):
   for v in FLAGS.variants:
     if v not in ("ours", "tiled"):
       raise app.UsageError(f"--variants: {v!r} is not ours or tiled")
-  report = run(settings, FLAGS.precision, FLAGS.variants, FLAGS.modes,
-               FLAGS.rounds)
+  if FLAGS.profile:
+    report = profile(settings, FLAGS.precision)
+  else:
+    report = run(settings, FLAGS.precision, FLAGS.variants, FLAGS.modes,
+                 FLAGS.rounds)
   if FLAGS.json:
     files.write_json(FLAGS.json, report)
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)

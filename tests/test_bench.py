@@ -81,3 +81,16 @@ def test_cli_small_run_writes_json(tmp_path):
   per_round = [rnd["ratios"]["infer_fp32_ours_over_tiled"] for rnd in report["rounds"]]
   assert report["ratios"]["infer_fp32_ours_over_tiled"] == pytest.approx(np.median(per_round))
   assert "median of 2 round(s)" in proc.stdout
+
+
+def test_cli_profile_books_the_step_by_layer(tmp_path):
+  path = tmp_path / "profile.json"
+  proc = _bench("--profile", "--precision=fp32", "--batch_size=4", "--warmup=1",
+                f"--json={path}")
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  (report,) = json.loads(path.read_text())["profiles"]
+  groups = report["groups"]
+  assert set(groups) >= {"PrimaryCaps conv (forward, gradients)",
+                         "u_hat and routing (forward, gradients)", "Adam updates"}
+  assert sum(groups.values()) == pytest.approx(report["traced_ms"])
+  assert "top ops:" in proc.stdout
