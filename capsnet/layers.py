@@ -19,6 +19,12 @@ def _cast(x, dtype):
   return x if dtype is None or x.dtype == dtype else tf.cast(x, dtype)
 
 
+# Largest patch (kernel * kernel * in_channels) for `_patch_grad_conv`: its
+# one-hot convolution costs patch^2 multiply-adds per output position, against
+# patch * out_channels for the convolution itself.
+_MAX_GEMM_PATCH = 256
+
+
 def _conv(x, kernel, channels, stride, compute_dtype, impl="custom_grad",
           relu=False):
   """VALID convolution with bias (and ReLU); variables `weights`, `biases`.
@@ -29,7 +35,8 @@ def _conv(x, kernel, channels, stride, compute_dtype, impl="custom_grad",
       gradients); equal in value and gradient. "custom_grad" computes the
       gradients of a strided convolution as stride-1 convolutions
       (`_strided_conv`) and the filter and bias gradients of a stride-1
-      convolution as one patches GEMM (`_patch_grad_conv`).
+      convolution with few input taps (Conv1: 81) as one patches GEMM
+      (`_patch_grad_conv`).
     relu: apply a ReLU.
   Returns: `[batch, out_h, out_w, channels]` in `compute_dtype` (if given),
     else in the dtype of `x`; the bias is added in that dtype.
@@ -45,7 +52,7 @@ def _conv(x, kernel, channels, stride, compute_dtype, impl="custom_grad",
                                    tf.compat.v1.zeros_initializer())
   xc, wc = _cast(x, compute_dtype), _cast(w, compute_dtype)
   bc = _cast(bias, xc.dtype)
-  if impl == "custom_grad" and stride == 1:
+  if impl == "custom_grad" and stride == 1 and kernel ** 2 * in_ch <= _MAX_GEMM_PATCH:
     return _patch_grad_conv(xc, tf.convert_to_tensor(wc), bc, relu)
   if impl == "custom_grad" and stride > 1:
     y = _strided_conv(xc, tf.convert_to_tensor(wc), stride)

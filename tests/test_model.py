@@ -220,3 +220,14 @@ def test_patch_grad_convolution_equals_conv2d(channels, relu):
   assert (results["tensorflow"][0] == 0).any() == relu   # the ReLU does cut
   for a, b_ in zip(results["tensorflow"], results["patch"]):
     np.testing.assert_allclose(a, b_, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("in_ch,patch_gemm", [(1, True), (3, True), (64, False)])
+def test_stride_one_conv_uses_the_patch_gemm_only_for_small_patches(in_ch, patch_gemm):
+  """A 3x3 conv over 64 channels (576 taps) keeps TensorFlow's gradient: the
+  one-hot patches would cost 576^2 multiply-adds per position."""
+  with tf.Graph().as_default() as graph:
+    with tf.compat.v1.variable_scope("c"):
+      layers._conv(tf.zeros([2, 6, 6, in_ch]), 3, 4, 1, None, "custom_grad")
+    custom = [op for op in graph.get_operations() if op.type == "IdentityN"]
+    assert bool(custom) == patch_gemm
