@@ -34,15 +34,21 @@ VARIANTS = {           # name: (iter_routing, stop_gradient)
     "r3_nostop": (3, False),
 }
 
-flags.DEFINE_integer("epochs", 1, "epochs per run", lower_bound=1)
-flags.DEFINE_integer("seeds", 2, "seeds per variant (0 .. seeds-1)", lower_bound=1)
-flags.DEFINE_list("variants", list(VARIANTS), "variants to run")
-flags.DEFINE_string("out", "study", "folder of the runs, table and plot")
-flags.DEFINE_string("precision", "fp32", "fp32 or bf16, for every run")
-flags.DEFINE_integer("diag_every", 50, "steps between gradient diagnostics", lower_bound=1)
-flags.DEFINE_integer("val_every", 100, "steps between validations inside an epoch "
-                     "(for the curves)", lower_bound=0)
-flags.DEFINE_bool("train", True, "run missing runs (false: only tabulate)")
+
+def define_flags():
+  """The command-line flags; defined when run as a program only, so that
+  importing this module (tests, other tools) adds no global flags."""
+  flags.DEFINE_integer("epochs", 1, "epochs per run", lower_bound=1)
+  flags.DEFINE_integer("seeds", 2, "seeds per variant (0 .. seeds-1)", lower_bound=1)
+  flags.DEFINE_list("variants", list(VARIANTS), "variants to run")
+  flags.DEFINE_string("out", "study", "folder of the runs, table and plot")
+  flags.DEFINE_string("precision", "fp32", "fp32 or bf16, for every run")
+  flags.DEFINE_integer("diag_every", 50, "steps between gradient diagnostics", lower_bound=1)
+  flags.DEFINE_integer("val_every", 100, "steps between validations inside an epoch "
+                       "(for the curves)", lower_bound=0)
+  flags.DEFINE_bool("train", True, "run missing runs (false: only tabulate)")
+
+
 FLAGS = flags.FLAGS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -186,4 +192,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)
