@@ -33,7 +33,8 @@ _MODEL_HELP = {
     "use_decoder": "train with the reconstruction decoder",
     "recon_weight": "weight of the summed squared reconstruction error",
     "dtype": "variable and routing dtype: float32 or float64",
-    "precision": "fp32, or bf16: convolutions and matmuls in bfloat16 (mixed)",
+    "precision": "fp32, or bf16: convolutions and decoder matmuls in bfloat16 "
+                 "(mixed; variables, u_hat, routing and losses in float32)",
     "conv_impl": "convolution gradients: custom_grad (strided ones as stride-1 "
                  "convolutions, Conv1's filter gradient as one GEMM; faster) "
                  "or conv2d (TensorFlow's gradients)",

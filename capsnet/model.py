@@ -35,7 +35,7 @@ class ModelConfig:
   use_decoder: bool = True
   recon_weight: float = 0.0005   # scales the *sum* of squared errors
   dtype: str = "float32"         # variables and routing: float32 or float64
-  precision: str = "fp32"        # fp32, or bf16: convs and matmuls in bfloat16
+  precision: str = "fp32"        # fp32, or bf16: convs and decoder matmuls in bfloat16
   conv_impl: str = "custom_grad" # conv gradients: custom_grad (fast) or conv2d
 
   def __post_init__(self):
