@@ -12,8 +12,7 @@ import tensorflow as tf
 from capsnet import bench
 from capsnet import layers
 from capsnet import model
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import ROOT
 
 
 def test_flops_per_image_paper_model():
