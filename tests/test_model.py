@@ -154,23 +154,37 @@ def test_custom_grad_convolution_equals_conv2d(size, kernel, stride):
     np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("size,kernel,stride", [(10, 3, 2), (20, 9, 2), (11, 4, 3)])
-@pytest.mark.parametrize("input_grad", ["phases", "dilated"])
-def test_strided_conv_input_gradients_equal_conv2d(size, kernel, stride, input_grad):
-  """Both input-gradient methods (float64), whatever the dtype default."""
+@pytest.mark.parametrize("size,kernel,stride", [(10, 3, 2), (20, 9, 2), (11, 4, 3),
+                                                (13, 5, 3)])
+@pytest.mark.parametrize("input_grad", ["phases", "folded_phases", "dilated"])
+@pytest.mark.parametrize("forward", ["conv2d", "folded"])
+def test_strided_conv_methods_equal_conv2d(size, kernel, stride, input_grad, forward):
+  """Every forward and input-gradient method (float64), whatever the dtype
+  default, with a batch fed at run time that is not a multiple of the fold
+  (5 images, fold 4) and sizes that are not multiples of the stride."""
   rng = np.random.RandomState(1)
-  out = (size - kernel) // stride + 1
-  x, w = rng.randn(2, size, size + 1, 3), rng.randn(kernel, kernel, 3, 4)
-  up = rng.randn(2, out, (size + 1 - kernel) // stride + 1, 4)
+  out_h, out_w = (size - kernel) // stride + 1, (size + 1 - kernel) // stride + 1
+  x, w = rng.randn(5, size, size + 1, 3), rng.randn(kernel, kernel, 3, 4)
+  up = rng.randn(5, out_h, out_w, 4)
   with tf.Graph().as_default(), tf.compat.v1.Session() as sess:
-    xt, wt = tf.constant(x), tf.constant(w)
-    y = layers._strided_conv(xt, wt, stride, input_grad)
+    xt = tf.compat.v1.placeholder(tf.float64, [None, size, size + 1, 3])
+    wt = tf.constant(w)
+    y = layers._strided_conv(xt, wt, stride, input_grad, forward)
     ref = tf.nn.conv2d(xt, wt, strides=stride, padding="VALID")
     grads = tf.gradients(y, [xt, wt], grad_ys=tf.constant(up))
     ref_grads = tf.gradients(ref, [xt, wt], grad_ys=tf.constant(up))
-    ours, theirs = sess.run([[y] + grads, [ref] + ref_grads])
+    ours, theirs = sess.run([[y] + grads, [ref] + ref_grads], {xt: x})
+  assert ours[0].shape == (5, out_h, out_w, 4)
   for a, b in zip(theirs, ours):
     np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_strided_conv_rejects_unknown_methods():
+  x, w = tf.zeros([1, 10, 10, 3]), tf.zeros([3, 3, 3, 4])
+  with pytest.raises(ValueError, match="input_grad must be .* got 'direct'"):
+    layers._strided_conv(x, w, 2, input_grad="direct")
+  with pytest.raises(ValueError, match="forward must be 'conv2d' or 'folded', got 'gemm'"):
+    layers._strided_conv(x, w, 2, forward="gemm")
 
 
 def test_bf16_and_fp32_predictions_agree():
