@@ -139,9 +139,8 @@ def _folded_conv(x, w, stride, fold=_FORWARD_FOLD):
   x = tf.reshape(x, [-1, fold, hs, s, ws, s, c])
   x = tf.transpose(x, [0, 2, 1, 4, 3, 5, 6])         # [b/f, hs, f, ws, s, s, c]
   x = tf.reshape(x, [-1, hs, fold * ws, s * s * c])
-  wp = tf.pad(w, [[0, rk * s - kh], [0, rl * s - kw], [0, 0], [0, 0]])
-  wp = tf.reshape(wp, [rk, s, rl, s, c, n])
-  wp = tf.reshape(tf.transpose(wp, [0, 2, 1, 3, 4, 5]), [rk, rl, s * s * c, n])
+  wp = tf.transpose(_kernel_phases(w, s), [0, 2, 1, 3, 4, 5])
+  wp = tf.reshape(wp, [rk, rl, s * s * c, n])
   y = tf.nn.conv2d(x, wp, strides=1, padding="VALID")  # [b/f, hs-rk+1, f*ws-rl+1, n]
   y = tf.pad(y[:, :oh], [[0, 0], [0, 0], [0, fold * ws - y.shape[2]], [0, 0]])
   y = tf.reshape(y, [-1, oh, fold, ws, n])[:, :, :, :ow]
@@ -157,9 +156,9 @@ def _strided_conv(x, w, stride, input_grad=None, forward=None):
   Both gradients are rewritten as forward convolutions, which oneDNN runs fast:
   - input, "phases": for each of the stride^2 phases (py, px) of the input
     grid, a full correlation of dy with the flipped sub-kernel
-    w[py::s, px::s]; the phases are interleaved with depth_to_space.
-    "folded_phases": the same with 4 images side by side along the width,
-    each phase a stride-1 Conv2DBackpropInput (`_phase_input_grad`).
+    w[py::s, px::s], as a stride-1 Conv2DBackpropInput; the phases are
+    interleaved by one transpose (`_phase_input_grad`). "folded_phases":
+    the same with 4 images side by side along the width.
   - input, "dilated": one convolution with the roles turned round: `w` (out
     channels as the batch) is the input, zero-padded by the convolution
     itself, and dy (flipped, batch as output channels) the kernel, dilated
@@ -167,10 +166,10 @@ def _strided_conv(x, w, stride, input_grad=None, forward=None):
     FLOPs, over a 20 x 20 instead of a 10 x 10 output grid.
   - filter: a convolution of x (batch as channels) with dy as a kernel
     dilated by the stride.
-  Per step of the paper model the input gradient took 188 ms "dilated"
-  against 251 ms "phases" in float32, but 275 against 90 ms in bfloat16
-  (microbench), hence the default by dtype; in bfloat16 the four phase
-  convolutions took 46 ms folded against 58 ms (step trace).
+  Paper PrimaryCaps, batch 128, input gradient alone (microbench, mean of
+  2 medians of 8 steps): float32 "dilated" 170 ms, "phases" 213,
+  "folded_phases" 234; bfloat16 245, 71 and 56 ms; hence the default by
+  dtype.
 
   The forward pass is conv2d, or in bfloat16 `_folded_conv` (step trace:
   39-44 ms against 53-55 ms).
@@ -229,15 +228,15 @@ def _phase_input_grad(dy, w, h, wd, s, fold):
   """Input gradient of `conv2d(x, w, s, VALID)` from dy, phase by phase.
 
   Phase (py, px) of dx (rows y = s*m + py, columns s*l + px) is the full
-  correlation of dy with the flipped sub-kernel `w[py::s, px::s]`
-  (`_phase_kernels`); the phases are interleaved into `[batch, h, w, c]`.
-  With `fold > 1`, `fold` images lie side by side along the width, each
-  followed by L - 1 zero columns, so the convolution's rows are fold times
-  as wide and every output column is used (bfloat16 paper PrimaryCaps,
+  correlation of dy with the flipped sub-kernel `w[py::s, px::s]`, computed
+  as the input gradient of a stride-1 VALID convolution with the sub-kernel
+  as it is (oneDNN runs that well; w is neither flipped nor transposed). The
+  phases are interleaved into `[batch, h, w, c]` by one transpose. With
+  `fold > 1`, `fold` images lie side by side along the width, each followed
+  by L - 1 zero columns, so the convolution's rows are fold times as wide
+  and every output column belongs to one image (bfloat16 paper PrimaryCaps,
   batch 128: one 5x5 phase 13.1 ms unfolded, 9.6 ms with fold 4,
-  microbench), and each phase is the input gradient of a stride-1 VALID
-  convolution with the sub-kernel as it is, which saves flipping and
-  transposing w (step trace: PrimaryCaps 162 -> 157 ms).
+  microbench).
 
   Args:
     dy: `[batch, oh, ow, n]`; w: `[k, k', c, n]`; h, wd: x's height and
@@ -245,47 +244,40 @@ def _phase_input_grad(dy, w, h, wd, s, fold):
   Returns: `[batch, h, wd, c]`.
   """
   oh, ow = dy.shape[1], dy.shape[2]
-  c = w.shape[2]
+  kh, kw, c, _ = w.shape
   rows, cols = -(-h // s), -(-wd // s)              # phase grid size
   batch = tf.shape(dy)[0]
   if fold > 1:
     dy = tf.pad(dy, [[0, (-batch) % fold], [0, 0], [0, 0], [0, 0]])
-  kh, kw, _, n = w.shape
-  if fold == 1:
-    kernels = _phase_kernels(w, s)
-  else:
-    rk, rl = -(-kh // s), -(-kw // s)
-    wp = tf.pad(w, [[0, rk * s - kh], [0, rl * s - kw], [0, 0], [0, 0]])
-    wp = tf.reshape(wp, [rk, s, rl, s, c, n])       # w[s*q + p] at [q, p]
+  wp = _kernel_phases(w, s)
   phases = []
   for py in range(s):
     for px in range(s):
       j, l = len(range(py, kh, s)), len(range(px, kw, s))
       ph, pw = oh + j - 1, ow + l - 1                # full correlation size
-      if fold == 1:
-        padded = tf.pad(dy, [[0, 0], [j - 1, j - 1], [l - 1, l - 1], [0, 0]])
-        phase = tf.nn.conv2d(padded, kernels[py][px], strides=1, padding="VALID")
-        phases.append(tf.pad(phase, [[0, 0], [0, rows - ph], [0, cols - pw], [0, 0]]))
-        continue
-      # The full correlation as the input gradient of a stride-1 VALID
-      # convolution with the sub-kernel as it is (no flip, no transpose of
-      # w). Each image is followed by its L - 1 zero columns, so its output
-      # columns are its own.
-      padded = tf.pad(dy, [[0, 0], [0, 0], [0, l - 1], [0, 0]])
-      folded = _fold_width(padded, fold)[:, :, :fold * pw - (l - 1)]
-      sizes = tf.stack([tf.shape(folded)[0], ph, fold * pw, c])
+      rhs = dy
+      if fold > 1:
+        rhs = tf.pad(dy, [[0, 0], [0, 0], [0, l - 1], [0, 0]])
+        rhs = _fold_width(rhs, fold)[:, :, :fold * pw - (l - 1)]
+      sizes = tf.stack([tf.shape(rhs)[0], ph, fold * pw, c])
       phase = tf.compat.v1.nn.conv2d_backprop_input(
-          sizes, wp[:j, py, :l, px], folded, strides=[1, 1, 1, 1], padding="VALID")
+          sizes, wp[:j, py, :l, px], rhs, strides=[1, 1, 1, 1], padding="VALID")
       phase = tf.reshape(phase, [-1, ph, fold, pw, c])
       phases.append(tf.pad(phase, [[0, 0], [0, rows - ph], [0, 0],
                                    [0, cols - pw], [0, 0]]))
-  if fold == 1:
-    dx = tf.nn.depth_to_space(tf.concat(phases, axis=3), s)
-  else:
-    dx = tf.reshape(tf.stack(phases, axis=4), [-1, rows, fold, cols, s, s, c])
-    dx = tf.transpose(dx, [0, 2, 1, 4, 3, 5, 6])    # [b/f, f, rows, s, cols, s, c]
-    dx = tf.reshape(dx, [-1, rows * s, cols * s, c])[:batch]
-  return dx[:, :h, :wd]
+  dx = tf.reshape(tf.stack(phases, axis=4), [-1, rows, fold, cols, s, s, c])
+  dx = tf.transpose(dx, [0, 2, 1, 4, 3, 5, 6])      # [b/f, f, rows, s, cols, s, c]
+  dx = tf.reshape(dx, [-1, rows * s, cols * s, c])
+  return (dx[:batch] if fold > 1 else dx)[:, :h, :wd]
+
+
+def _kernel_phases(w, s):
+  """`w` `[k, k', c, n]` zero-padded to multiples of s and viewed as
+  `[ceil(k/s), s, ceil(k'/s), s, c, n]`: `w[s*q + p]` at `[q, p]`."""
+  kh, kw, c, n = w.shape
+  rk, rl = -(-kh // s), -(-kw // s)
+  wp = tf.pad(w, [[0, rk * s - kh], [0, rl * s - kw], [0, 0], [0, 0]])
+  return tf.reshape(wp, [rk, s, rl, s, c, n])
 
 
 def _fold_width(t, fold):
@@ -293,27 +285,6 @@ def _fold_width(t, fold):
   _, h, wd, c = t.shape
   t = tf.reshape(t, [-1, fold, h, wd, c])
   return tf.reshape(tf.transpose(t, [0, 2, 1, 3, 4]), [-1, h, fold * wd, c])
-
-
-def _phase_kernels(w, s):
-  """The flipped, transposed sub-kernels of the input gradient's phases.
-
-  Phase (py, px) correlates dy with `w[py::s, px::s]` flipped in space and
-  with its channel axes swapped. All s^2 come from one pad, reshape,
-  transpose and reverse of `w` (four reverse-strided slices took 4x as long).
-
-  Args:
-    w: `[k, k', c, n]` kernel; s: the stride.
-  Returns: `kernels[py][px]`, each `[J, L, n, c]` with `J = len(range(py, k, s))`.
-  """
-  kh, kw, c, n = w.shape
-  rk, rl = -(-kh // s), -(-kw // s)
-  wp = tf.pad(w, [[0, rk * s - kh], [0, rl * s - kw], [0, 0], [0, 0]])
-  wp = tf.reshape(wp, [rk, s, rl, s, c, n])         # w[s*q + p] at [q, p]
-  wp = tf.reverse(tf.transpose(wp, [1, 3, 0, 2, 5, 4]), [2, 3])  # [s, s, rk, rl, n, c]
-  # Reversed, the zero rows padded at the end come first: drop them.
-  return [[wp[py, px, rk - len(range(py, kh, s)):, rl - len(range(px, kw, s)):]
-           for px in range(s)] for py in range(s)]
 
 
 def conv1(images, channels, kernel, compute_dtype=None, conv_impl="custom_grad"):
