@@ -36,8 +36,9 @@ _MODEL_HELP = {
     "precision": "fp32, or bf16: convolutions and decoder matmuls in bfloat16 "
                  "(mixed; variables, u_hat, routing and losses in float32)",
     "conv_impl": "convolution gradients: custom_grad (strided ones as stride-1 "
-                 "convolutions, Conv1's filter gradient as one GEMM; faster) "
-                 "or conv2d (TensorFlow's gradients)",
+                 "convolutions, in bf16 also the strided forward over 4 images "
+                 "side by side; Conv1's filter gradient as one GEMM; faster) "
+                 "or conv2d (TensorFlow's conv2d and gradients)",
 }
 
 
