@@ -133,14 +133,13 @@ def _folded_conv(x, w, stride, fold=_FORWARD_FOLD):
   kh, kw, _, n = w.shape
   oh, ow = (h - kh) // s + 1, (wd - kw) // s + 1
   hs, ws = -(-h // s), -(-wd // s)
-  rk, rl = -(-kh // s), -(-kw // s)
   batch = tf.shape(x)[0]
   x = tf.pad(x, [[0, (-batch) % fold], [0, hs * s - h], [0, ws * s - wd], [0, 0]])
   x = tf.reshape(x, [-1, fold, hs, s, ws, s, c])
   x = tf.transpose(x, [0, 2, 1, 4, 3, 5, 6])         # [b/f, hs, f, ws, s, s, c]
   x = tf.reshape(x, [-1, hs, fold * ws, s * s * c])
-  wp = tf.transpose(_kernel_phases(w, s), [0, 2, 1, 3, 4, 5])
-  wp = tf.reshape(wp, [rk, rl, s * s * c, n])
+  wp = tf.transpose(_kernel_phases(w, s), [0, 2, 1, 3, 4, 5])  # [rk, rl, s, s, c, n]
+  wp = tf.reshape(wp, [wp.shape[0], wp.shape[1], s * s * c, n])
   y = tf.nn.conv2d(x, wp, strides=1, padding="VALID")  # [b/f, hs-rk+1, f*ws-rl+1, n]
   y = tf.pad(y[:, :oh], [[0, 0], [0, 0], [0, fold * ws - y.shape[2]], [0, 0]])
   y = tf.reshape(y, [-1, oh, fold, ws, n])[:, :, :, :ow]
