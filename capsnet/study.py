@@ -1,22 +1,37 @@
-"""Does stop_gradient in routing help? Trains and tests each routing variant.
+"""Routing studies: trains and tests each variant of a grid, then tabulates.
 
-  python -m capsnet.study --epochs=1 --seeds=2              # this machine
-  python -m capsnet.study --epochs=50 --seeds=3             # the full study (GPU)
+  python -m capsnet.study --epochs=1 --seeds=2              # stop_gradient grid
+  python -m capsnet.study --grid=table1 --variants=r3_recon --epochs=50 \\
+      --precision=bf16 --out=$HOME/table1                   # one Table 1 run
+  python -m capsnet.study --grid=table1 --out=$HOME/table1 --epochs=50 \\
+      --train=false --publish=study/table1                  # tabulate, copy
   python -m capsnet.study --epochs=1 --seeds=1 -- --train_size=2000   # train.py flags after --
 
-Variants: r = 1 (the stop changes nothing there; tests/test_stop_gradient.py
-proves it), and r = 2, 3 with stop_gradient on and off. Every variant runs
-with the same seeds, hence the same initial weights, data order and
-augmentation, the same split and the same budget; each run is a train.py
-run in <out>/<variant>_seed<k>/ with the gradient diagnostic on. A finished
-run (test_results.json written after the last epoch) is skipped, an unfinished
-one resumes, so the study can be stopped and continued. At the end the study
-writes <out>/results.md (the table) and <out>/val_error.png (validation error
-against epoch for each variant).
+Grids:
+- `stop_gradient`: r = 1 (the stop changes nothing there; tests/
+  test_stop_gradient.py proves it), and r = 2, 3 with stop_gradient on and off.
+- `table1`: the rows of Table 1 of the paper, r = 1 and r = 3 each with and
+  without the reconstruction decoder, plus r = 3 with reconstruction and
+  stop_gradient off.
+
+Every variant runs with the same seeds, hence the same initial weights, data
+order and augmentation, the same split and the same budget; each run is a
+train.py run in <out>/<variant>[_decay<N>]_seed<k>/ with the gradient
+diagnostic on (`_decay<N>` when --decay_steps is not train.py's 2,000). A
+finished run (test_results.json written after the last epoch) is skipped, an
+unfinished one resumes, so the study can be stopped and continued. At the end
+the study writes <out>/results.md (the table; runs still in progress appear
+with the epochs they have), results.json, val_error.png (validation error
+against epoch, log scale, a line per run) and, when some variant has r > 1,
+diagnostic.png (the share of W's gradient that flows through the routing
+coefficients, against epoch). --publish=DIR writes the same there and copies
+each run's small files (config.json, metrics.jsonl, diagnostics.jsonl,
+test_results.json) to DIR/<run>/, never its checkpoints.
 """
 import io
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -26,26 +41,47 @@ from absl import flags
 
 from capsnet import files
 
-VARIANTS = {           # name: (iter_routing, stop_gradient)
-    "r1": (1, True),
-    "r2_stop": (2, True),
-    "r2_nostop": (2, False),
-    "r3_stop": (3, True),
-    "r3_nostop": (3, False),
+# train.py's learning-rate decay period; runs with another one get a tag.
+DEFAULT_DECAY_STEPS = 2000
+
+GRIDS = {   # grid: {variant: the train.py flags that make it}
+    "stop_gradient": {
+        "r1": dict(iter_routing=1, stop_gradient=True),
+        "r2_stop": dict(iter_routing=2, stop_gradient=True),
+        "r2_nostop": dict(iter_routing=2, stop_gradient=False),
+        "r3_stop": dict(iter_routing=3, stop_gradient=True),
+        "r3_nostop": dict(iter_routing=3, stop_gradient=False),
+    },
+    "table1": {
+        "r1_norecon": dict(iter_routing=1, stop_gradient=True, use_decoder=False),
+        "r1_recon": dict(iter_routing=1, stop_gradient=True, use_decoder=True),
+        "r3_norecon": dict(iter_routing=3, stop_gradient=True, use_decoder=False),
+        "r3_recon": dict(iter_routing=3, stop_gradient=True, use_decoder=True),
+        "r3_recon_nostop": dict(iter_routing=3, stop_gradient=False, use_decoder=True),
+    },
 }
+VARIANTS = GRIDS["stop_gradient"]
+SMALL_FILES = ("config.json", "metrics.jsonl", "diagnostics.jsonl", "test_results.json")
 
 
 def define_flags():
   """The command-line flags; defined when run as a program only, so that
   importing this module (tests, other tools) adds no global flags."""
+  flags.DEFINE_enum("grid", "stop_gradient", sorted(GRIDS), "the grid of variants")
   flags.DEFINE_integer("epochs", 1, "epochs per run", lower_bound=1)
   flags.DEFINE_integer("seeds", 2, "seeds per variant (0 .. seeds-1)", lower_bound=1)
-  flags.DEFINE_list("variants", list(VARIANTS), "variants to run")
-  flags.DEFINE_string("out", "study", "folder of the runs, table and plot")
+  flags.DEFINE_integer("first_seed", 0, "the first seed", lower_bound=0)
+  flags.DEFINE_list("variants", None, "variants to run (default: the whole grid)")
+  flags.DEFINE_list("decay_steps", [str(DEFAULT_DECAY_STEPS)], "learning-rate "
+                    "decay periods (train.py --decay_steps); each variant runs "
+                    "with each")
+  flags.DEFINE_string("out", "study", "folder of the runs, table and plots")
+  flags.DEFINE_string("publish", None, "also write the table and plots here and "
+                      "copy each run's small files to <publish>/<run>/")
   flags.DEFINE_string("precision", "fp32", "fp32 or bf16, for every run")
   flags.DEFINE_integer("diag_every", 50, "steps between gradient diagnostics", lower_bound=1)
   flags.DEFINE_integer("val_every", 100, "steps between validations inside an epoch "
-                       "(for the curves)", lower_bound=0)
+                       "(for the curves; 0: epoch ends only)", lower_bound=0)
   flags.DEFINE_bool("train", True, "run missing runs (false: only tabulate)")
 
 
@@ -54,8 +90,13 @@ FLAGS = flags.FLAGS
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_dir(out, variant, seed):
-  return os.path.join(out, f"{variant}_seed{seed}")
+def run_name(variant, seed, decay_steps=DEFAULT_DECAY_STEPS):
+  tag = "" if decay_steps == DEFAULT_DECAY_STEPS else f"_decay{decay_steps}"
+  return f"{variant}{tag}_seed{seed}"
+
+
+def run_dir(out, variant, seed, decay_steps=DEFAULT_DECAY_STEPS):
+  return os.path.join(out, run_name(variant, seed, decay_steps))
 
 
 def read_jsonl(path):
@@ -65,94 +106,162 @@ def read_jsonl(path):
     return [json.loads(line) for line in f if line.strip()]
 
 
+def read_json(path, default=None):
+  if not os.path.exists(path):
+    return default
+  with open(path) as f:
+    return json.load(f)
+
+
+def epochs_done(folder):
+  """Completed epochs of a run (0 if it has not finished one)."""
+  rows = read_jsonl(os.path.join(folder, "metrics.jsonl"))
+  return max([r["epoch"] for r in rows if "images_per_sec" in r], default=0)
+
+
 def is_complete(folder, epochs):
   """The run finished `epochs` epochs and scored its best checkpoint."""
-  rows = read_jsonl(os.path.join(folder, "metrics.jsonl"))
   return (os.path.exists(os.path.join(folder, "test_results.json"))
-          and any(r["epoch"] == epochs and "images_per_sec" in r for r in rows))
+          and epochs_done(folder) >= epochs)
 
 
-def train_command(variant, seed, folder, extra):
-  iters, stop = VARIANTS[variant]
-  return [sys.executable, os.path.join(ROOT, "train.py"),
-          f"--iter_routing={iters}", f"--stop_gradient={stop}", f"--seed={seed}",
-          f"--epochs={FLAGS.epochs}", f"--logdir={folder}",
-          f"--precision={FLAGS.precision}", f"--diag_every={FLAGS.diag_every}",
-          f"--val_every={FLAGS.val_every}", "--progress=false", *extra]
+def train_command(spec, seed, folder, settings, extra):
+  """The train.py command of one run; `spec` holds the variant's flags."""
+  variant_flags = [f"--{k}={v}" for k, v in spec.items()]
+  return [sys.executable, os.path.join(ROOT, "train.py"), *variant_flags,
+          f"--seed={seed}", f"--epochs={settings['epochs']}", f"--logdir={folder}",
+          f"--precision={settings['precision']}",
+          f"--decay_steps={settings['decay_steps']}",
+          f"--diag_every={settings['diag_every']}",
+          f"--val_every={settings['val_every']}", "--progress=false", *extra]
 
 
-def summarize(out, variants, seeds, epochs):
-  """Per-variant figures from the run folders (complete runs only)."""
+def describe_run(folder, epochs):
+  """One run's figures from its files; None if it has no epoch yet."""
+  metrics = read_jsonl(os.path.join(folder, "metrics.jsonl"))
+  epoch_rows = [m for m in metrics if "images_per_sec" in m]
+  if not epoch_rows:
+    return None
+  complete = is_complete(folder, epochs)
+  test = read_json(os.path.join(folder, "test_results.json"), {}) if complete else {}
+  model = read_json(os.path.join(folder, "config.json"), {}).get("model", {})
+  val = [m for m in metrics if "val_error_percent" in m]
+  diags = read_jsonl(os.path.join(folder, "diagnostics.jsonl"))
+  wall = sum(m["wall_s"] for m in epoch_rows if "wall_s" in m)
+  return {
+      "run": os.path.basename(folder), "complete": complete,
+      "epochs_done": epoch_rows[-1]["epoch"], "steps": epoch_rows[-1]["step"],
+      "precision": model.get("precision", "fp32"),
+      "test_error": test.get("error_percent"),
+      "test_errors_count": (round(test["error_percent"] * test["count"] / 100)
+                            if "count" in test else None),
+      "best_val_error": min((m["val_error_percent"] for m in val), default=None),
+      "images_per_sec": statistics.mean(m["images_per_sec"] for m in epoch_rows),
+      "train_wall_s": round(wall, 1),
+      "curve": [(m["epoch"], m["val_error_percent"]) for m in val],
+      "diag_curve": [(d["epoch"], d["digit_caps/weights"]) for d in diags
+                     if "digit_caps/weights" in d],
+      "diag": {key: (diags[0][key], diags[-1][key]) if diags else (None, None)
+               for key in ("digit_caps/weights", "conv1/weights")},
+  }
+
+
+def summarize(out, grid, variants, seeds, epochs, schedules=(DEFAULT_DECAY_STEPS,)):
+  """Per-variant figures from the run folders.
+
+  Args:
+    seeds: the seeds to look for (an iterable of ints).
+    schedules: learning-rate decay periods; a row per variant and period.
+  Returns: one dict per (variant, period) with an epoch done: its runs
+    (`describe_run`) and, over its complete runs, the test error mean and
+    (with two or more) the sample standard deviation.
+  """
   rows = []
-  for name in variants:
-    runs = [run_dir(out, name, s) for s in range(seeds)]
-    runs = [r for r in runs if is_complete(r, epochs)]
+  for name, decay_steps in ((n, d) for n in variants for d in schedules):
+    runs = [describe_run(run_dir(out, name, s, decay_steps), epochs) for s in seeds]
+    runs = [dict(r, seed=s) for s, r in zip(seeds, runs) if r is not None]
     if not runs:
       continue
-    tests = [json.load(open(os.path.join(r, "test_results.json")))["error_percent"]
-             for r in runs]
-    metrics = [read_jsonl(os.path.join(r, "metrics.jsonl")) for r in runs]
-    best_val = [min(m["val_error_percent"] for m in ms if "val_error_percent" in m)
-                for ms in metrics]
-    speed = [m["images_per_sec"] for ms in metrics for m in ms if "images_per_sec" in m]
-    diags = [read_jsonl(os.path.join(r, "diagnostics.jsonl")) for r in runs]
-    diag = {}
-    for key in ("digit_caps/weights", "conv1/weights"):
-      diag[key] = (statistics.mean(d[0][key] for d in diags),
-                   statistics.mean(d[-1][key] for d in diags))
+    done = [r for r in runs if r["complete"]]
+    tests = [r["test_error"] for r in done]
+    vals = [r["best_val_error"] for r in runs if r["best_val_error"] is not None]
+    spec = GRIDS[grid][name]
     rows.append({
-        "variant": name, "iter_routing": VARIANTS[name][0],
-        "stop_gradient": VARIANTS[name][1], "seeds": len(runs), "epochs": epochs,
-        "test_error_mean": statistics.mean(tests),
-        "test_error_std": statistics.stdev(tests) if len(tests) > 1 else 0.0,
-        "test_errors": tests, "best_val_error_mean": statistics.mean(best_val),
-        "images_per_sec": statistics.mean(speed), "diag": diag,
-        "curves": [[(m["epoch"], m["val_error_percent"]) for m in ms
-                    if "val_error_percent" in m] for ms in metrics]})
+        "variant": name, "iter_routing": spec["iter_routing"],
+        "stop_gradient": spec.get("stop_gradient", True),
+        "use_decoder": spec.get("use_decoder", True), "decay_steps": decay_steps,
+        "epochs": epochs, "seeds": len(done), "runs": runs,
+        "test_errors": tests,
+        "test_error_mean": statistics.mean(tests) if tests else None,
+        "test_error_std": statistics.stdev(tests) if len(tests) > 1 else None,
+        "best_val_error_mean": statistics.mean(vals) if vals else None,
+        "images_per_sec": statistics.mean(r["images_per_sec"] for r in runs),
+        "diag": {key: tuple(_mean_or_none(r["diag"][key][i] for r in runs)
+                            for i in (0, 1))
+                 for key in ("digit_caps/weights", "conv1/weights")},
+        "curves": [r["curve"] for r in runs]})
   return rows
 
 
+def _mean_or_none(values):
+  values = [v for v in values if v is not None]
+  return statistics.mean(values) if values else None
+
+
+def _fmt(x, spec):
+  return "–" if x is None else format(x, spec)
+
+
+def _duration(seconds):
+  h, m = divmod(round(seconds / 60), 60)
+  return f"{h} h {m:02d} min" if h else f"{m} min"
+
+
 def markdown(rows):
+  """The study's table: one line per variant, then one per run."""
   lines = [
-      "| variant | r | stop_gradient | seeds | epochs | test error % (mean ± std) "
-      "| per seed | best val error % | images/s | routing share of W grad, start → end "
-      "| of conv1 grad |",
-      "|---|---|---|---|---|---|---|---|---|---|---|"]
+      "| variant | r | decoder | stop_gradient | lr decay every | seeds done "
+      "| test error % (mean ± std) | per seed | best val error % | images/s "
+      "| routing share of W grad, start → end | of conv1 grad |",
+      "|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for r in rows:
     w0, w1 = r["diag"]["digit_caps/weights"]
     c0, c1 = r["diag"]["conv1/weights"]
+    mean = _fmt(r["test_error_mean"], ".3f")
+    if r["test_error_std"] is not None:
+      mean += f" ± {r['test_error_std']:.3f}"
+    per_seed = ", ".join(
+        f"{x['test_error']:.2f}" if x["complete"] else
+        f"in progress ({x['epochs_done']}/{r['epochs']} epochs)" for x in r["runs"])
     lines.append(
-        f"| {r['variant']} | {r['iter_routing']} | "
-        f"{'n/a' if r['iter_routing'] == 1 else r['stop_gradient']} | {r['seeds']} | "
-        f"{r['epochs']} | {r['test_error_mean']:.3f} ± {r['test_error_std']:.3f} | "
-        f"{', '.join(f'{e:.2f}' for e in r['test_errors'])} | "
-        f"{r['best_val_error_mean']:.3f} | {r['images_per_sec']:.0f} | "
-        f"{w0:.3g} → {w1:.3g} | {c0:.3g} → {c1:.3g} |")
+        f"| {r['variant']} | {r['iter_routing']} | {'yes' if r['use_decoder'] else 'no'} | "
+        f"{'n/a' if r['iter_routing'] == 1 else r['stop_gradient']} | "
+        f"{r['decay_steps']} steps | {r['seeds']} of {len(r['runs'])} | {mean} | "
+        f"{per_seed} | {_fmt(r['best_val_error_mean'], '.3f')} | "
+        f"{r['images_per_sec']:.0f} | {_fmt(w0, '.3g')} → {_fmt(w1, '.3g')} | "
+        f"{_fmt(c0, '.3g')} → {_fmt(c1, '.3g')} |")
+  lines += ["", "| run | precision | epochs | steps | test error % | test errors "
+            "| best val error % | images/s | training wall time |",
+            "|---|---|---|---|---|---|---|---|---|"]
+  for r in rows:
+    for x in r["runs"]:
+      epochs = f"{x['epochs_done']}" + ("" if x["complete"] else " (in progress)")
+      lines.append(
+          f"| {x['run']} | {x['precision']} | {epochs} | {x['steps']} | "
+          f"{_fmt(x['test_error'], '.2f')} | {_fmt(x['test_errors_count'], 'd')} | "
+          f"{_fmt(x['best_val_error'], '.2f')} | {x['images_per_sec']:.0f} | "
+          f"{_duration(x['train_wall_s'])} |")
   return "\n".join(lines) + "\n"
 
 
-def plot(rows, path):
-  """Validation error against epoch, one colour per variant, a line per seed."""
+def _figure():
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  import matplotlib.ticker
-  fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
-  for k, r in enumerate(rows):
-    colour = f"C{k}"
-    for s, curve in enumerate(r["curves"]):
-      xs, ys = zip(*curve)
-      ax.plot(xs, ys, color=colour, marker="o", markersize=3, linewidth=1.2,
-              linestyle="-" if s == 0 else "--",
-              label=f"{r['variant']}" if s == 0 else None)
-  ax.set_xlabel("epoch")
-  ax.set_ylabel("validation error (%)")
-  ax.set_yscale("log")
-  ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
-  ax.yaxis.set_minor_formatter(matplotlib.ticker.ScalarFormatter())
-  ax.grid(True, which="both", alpha=0.3)
-  ax.legend(title="variant (solid: seed 0, dashed: others)", fontsize=8)
-  ax.set_title("CapsNet on MNIST: routing variants")
+  return plt, matplotlib.ticker
+
+
+def _save(plt, fig, path):
   fig.tight_layout()
   png = io.BytesIO()
   fig.savefig(png, format="png")
@@ -160,34 +269,124 @@ def plot(rows, path):
   files.atomic_write(path, png.getvalue())
 
 
+def _label(row):
+  if row["decay_steps"] == DEFAULT_DECAY_STEPS:
+    return row["variant"]
+  return f"{row['variant']}, lr decay every {row['decay_steps']}"
+
+
+def plot(rows, path, title="CapsNet on MNIST: routing variants"):
+  """Validation error against epoch, one colour per variant, a line per seed."""
+  plt, ticker = _figure()
+  fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
+  many = max(len(c) for r in rows for c in r["curves"]) > 30
+  for k, r in enumerate(rows):
+    for s, curve in enumerate(r["curves"]):
+      if not curve:
+        continue
+      xs, ys = zip(*curve)
+      ax.plot(xs, ys, color=f"C{k}", marker=None if many else "o", markersize=3,
+              linewidth=1.2, linestyle="-" if s == 0 else "--",
+              label=_label(r) if s == 0 else None)
+  ax.set_xlabel("epoch")
+  ax.set_ylabel("validation error (%)")
+  ax.set_yscale("log")
+  ax.yaxis.set_major_formatter(ticker.ScalarFormatter())
+  ax.yaxis.set_minor_formatter(ticker.ScalarFormatter())
+  ax.grid(True, which="both", alpha=0.3)
+  ax.legend(title="variant (solid: first seed, dashed: others)", fontsize=8)
+  ax.set_title(title)
+  _save(plt, fig, path)
+
+
+def plot_diagnostic(rows, path):
+  """The share of W's gradient that flows through the coefficients, by epoch."""
+  plt, _ = _figure()
+  fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+  for k, r in enumerate(rows):
+    if r["iter_routing"] == 1:
+      continue
+    for s, run in enumerate(r["runs"]):
+      if run["diag_curve"]:
+        xs, ys = zip(*run["diag_curve"])
+        ax.plot(xs, ys, color=f"C{k}", linewidth=1, linestyle="-" if s == 0 else "--",
+                label=_label(r) if s == 0 else None)
+  ax.set_xlabel("epoch")
+  ax.set_ylabel("||g_full - g_stop|| / ||g_full||  (W)")
+  ax.grid(True, alpha=0.3)
+  ax.legend(fontsize=8)
+  ax.set_title("Gradient through the routing coefficients (fixed batch of 32)")
+  _save(plt, fig, path)
+
+
+def report(rows, folder):
+  """results.md, results.json and the plots in `folder`."""
+  os.makedirs(folder, exist_ok=True)
+  table = markdown(rows)
+  files.atomic_write(os.path.join(folder, "results.md"), table)
+  files.write_json(os.path.join(folder, "results.json"), rows)
+  if rows:
+    plot(rows, os.path.join(folder, "val_error.png"))
+  if any(r["iter_routing"] > 1 for r in rows):
+    plot_diagnostic(rows, os.path.join(folder, "diagnostic.png"))
+  return table
+
+
+def publish(out, rows, folder):
+  """Copies each run's small files (never checkpoints) to folder/<run>/."""
+  for r in rows:
+    for run in r["runs"]:
+      target = os.path.join(folder, run["run"])
+      os.makedirs(target, exist_ok=True)
+      for name in SMALL_FILES:
+        src = os.path.join(out, run["run"], name)
+        if os.path.exists(src):
+          shutil.copyfile(src, os.path.join(target, name))
+
+
+def run_one(spec, seed, folder, settings, extra):
+  """Trains (or resumes) one run, its output in <folder>.log; exits on failure."""
+  print(f"{os.path.basename(folder)}: training in {folder}", flush=True)
+  os.makedirs(folder, exist_ok=True)
+  with open(folder + ".log", "a") as log:
+    rc = subprocess.call(train_command(spec, seed, folder, settings, extra),
+                         stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+  if rc:
+    sys.exit(f"study: error: {os.path.basename(folder)} failed (exit {rc}); "
+             f"see {folder}.log")
+
+
 def main(argv):
   extra = argv[1:]     # everything after `--` goes to train.py
-  unknown = [v for v in FLAGS.variants if v not in VARIANTS]
+  grid = GRIDS[FLAGS.grid]
+  variants = FLAGS.variants or list(grid)
+  unknown = [v for v in variants if v not in grid]
   if unknown:
-    sys.exit(f"study: error: --variants: {unknown} not in {list(VARIANTS)}")
+    sys.exit(f"study: error: --variants: {unknown} not in the {FLAGS.grid} "
+             f"grid {list(grid)}")
+  try:
+    schedules = [int(d) for d in FLAGS.decay_steps]
+  except ValueError:
+    schedules = []
+  if not schedules or min(schedules) < 1:
+    sys.exit(f"study: error: --decay_steps={','.join(FLAGS.decay_steps)}: "
+             "expected positive integers")
+  settings = {k: FLAGS[k].value for k in ("epochs", "precision", "diag_every",
+                                          "val_every")}
+  seeds = range(FLAGS.first_seed, FLAGS.first_seed + FLAGS.seeds)
   os.makedirs(FLAGS.out, exist_ok=True)
-  for seed in range(FLAGS.seeds):
-    for name in FLAGS.variants:
-      folder = run_dir(FLAGS.out, name, seed)
-      if is_complete(folder, FLAGS.epochs):
-        print(f"{name} seed {seed}: complete, skipped")
-        continue
-      if not FLAGS.train:
-        continue
-      print(f"{name} seed {seed}: training in {folder}", flush=True)
-      os.makedirs(folder, exist_ok=True)
-      with open(folder + ".log", "a") as log:
-        rc = subprocess.call(train_command(name, seed, folder, extra),
-                             stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
-      if rc:
-        sys.exit(f"study: error: {name} seed {seed} failed (exit {rc}); "
-                 f"see {folder}.log")
-  rows = summarize(FLAGS.out, FLAGS.variants, FLAGS.seeds, FLAGS.epochs)
-  table = markdown(rows)
-  files.atomic_write(os.path.join(FLAGS.out, "results.md"), table)
-  files.write_json(os.path.join(FLAGS.out, "results.json"), rows)
-  if rows:
-    plot(rows, os.path.join(FLAGS.out, "val_error.png"))
+  for seed, decay_steps, name in ((s, d, n) for s in seeds for d in schedules
+                                  for n in variants):
+    folder = run_dir(FLAGS.out, name, seed, decay_steps)
+    if is_complete(folder, FLAGS.epochs):
+      print(f"{os.path.basename(folder)}: complete, skipped")
+    elif FLAGS.train:
+      run_one(grid[name], seed, folder, dict(settings, decay_steps=decay_steps), extra)
+  rows = summarize(FLAGS.out, FLAGS.grid, variants, seeds, FLAGS.epochs, schedules)
+  table = report(rows, FLAGS.out)
+  if FLAGS.publish:
+    report(rows, FLAGS.publish)
+    publish(FLAGS.out, rows, FLAGS.publish)
   print(table)
 
 

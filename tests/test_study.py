@@ -1,4 +1,4 @@
-"""The stop_gradient study: aggregation, table, skip/resume, end to end."""
+"""The routing studies: aggregation, table, skip/resume, publishing, end to end."""
 import json
 import os
 import subprocess
@@ -11,44 +11,94 @@ from conftest import ROOT
 from test_train import SMALL, needs_mnist
 
 
-def fake_run(folder, test_error, val_errors, diag, epochs=1, speed=100.0):
+def fake_run(folder, test_error, val_errors, diag, epochs=1, speed=100.0,
+             complete=True, precision="bf16"):
+  """A run folder as train.py leaves it; the last val error closes `epochs`."""
   os.makedirs(folder)
   with open(os.path.join(folder, "metrics.jsonl"), "w") as f:
     for k, e in enumerate(val_errors):
-      row = {"epoch": round(epochs * (k + 1) / len(val_errors), 3), "step": k,
+      row = {"epoch": round(epochs * (k + 1) / len(val_errors), 3), "step": 10 * (k + 1),
              "val_error_percent": e}
       if k == len(val_errors) - 1:
-        row.update(epoch=epochs, images_per_sec=speed)
+        row.update(epoch=epochs, images_per_sec=speed, wall_s=90.0)
       f.write(json.dumps(row) + "\n")
   with open(os.path.join(folder, "diagnostics.jsonl"), "w") as f:
-    for d in diag:
-      f.write(json.dumps({"step": 1, "digit_caps/weights": d, "conv1/weights": d / 2}) + "\n")
-  with open(os.path.join(folder, "test_results.json"), "w") as f:
-    json.dump({"error_percent": test_error}, f)
+    for k, d in enumerate(diag):
+      f.write(json.dumps({"step": 1 + k, "epoch": k / 2, "digit_caps/weights": d,
+                          "conv1/weights": d / 2}) + "\n")
+  with open(os.path.join(folder, "config.json"), "w") as f:
+    json.dump({"model": {"precision": precision}, "train": {}}, f)
+  if complete:
+    with open(os.path.join(folder, "test_results.json"), "w") as f:
+      json.dump({"error_percent": test_error, "count": 10000}, f)
 
 
 def test_summary_and_table(tmp_path):
   out = str(tmp_path)
   fake_run(study.run_dir(out, "r2_stop", 0), 1.0, [3.0, 1.5], [0.01, 0.2], speed=90)
   fake_run(study.run_dir(out, "r2_stop", 1), 1.5, [2.0, 1.7], [0.03, 0.4], speed=110)
-  fake_run(study.run_dir(out, "r1", 0), 2.0, [4.0, 2.5], [0.0, 0.0])
-  os.remove(os.path.join(study.run_dir(out, "r1", 0), "test_results.json"))
+  fake_run(study.run_dir(out, "r1", 0), 2.0, [4.0, 2.5], [0.0, 0.0], complete=False)
   assert not study.is_complete(study.run_dir(out, "r1", 0), 1)
   assert not study.is_complete(study.run_dir(out, "r2_stop", 0), 2)
-  rows = study.summarize(out, ["r1", "r2_stop"], 2, 1)
-  assert [r["variant"] for r in rows] == ["r2_stop"]     # r1 is incomplete
-  r = rows[0]
+  assert study.is_complete(study.run_dir(out, "r2_stop", 0), 1)
+  rows = study.summarize(out, "stop_gradient", ["r1", "r2_stop"], range(2), 1)
+  assert [r["variant"] for r in rows] == ["r1", "r2_stop"]
+  r1, r = rows
+  assert r1["seeds"] == 0 and r1["test_error_mean"] is None and len(r1["runs"]) == 1
   assert r["seeds"] == 2 and r["iter_routing"] == 2 and r["stop_gradient"] is True
   np.testing.assert_allclose(r["test_error_mean"], 1.25)
   np.testing.assert_allclose(r["test_error_std"], np.std([1.0, 1.5], ddof=1))
   np.testing.assert_allclose(r["best_val_error_mean"], 1.6)
   np.testing.assert_allclose(r["images_per_sec"], 100.0)
   np.testing.assert_allclose(r["diag"]["digit_caps/weights"], (0.02, 0.3))
+  assert r["runs"][1]["test_errors_count"] == 150
+  assert r["runs"][0]["diag_curve"] == [(0.0, 0.01), (0.5, 0.2)]
   table = study.markdown(rows)
-  assert "| r2_stop | 2 | True | 2 | 1 | 1.250 ± 0.354 | 1.00, 1.50 | 1.600 | 100 | 0.02 → 0.3 | 0.01 → 0.15 |" in table
-  path = str(tmp_path / "plot.png")
-  study.plot(rows, path)
-  assert open(path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+  assert ("| r2_stop | 2 | yes | True | 2000 steps | 2 of 2 | 1.250 ± 0.354 | 1.00, 1.50 "
+          "| 1.600 | 100 | 0.02 → 0.3 | 0.01 → 0.15 |") in table
+  assert ("| r1 | 1 | yes | n/a | 2000 steps | 0 of 1 | – | in progress (1/1 epochs) "
+          "| 2.500 | 100 | 0 → 0 | 0 → 0 |") in table
+  assert "| r2_stop_seed1 | bf16 | 1 | 20 | 1.50 | 150 | 1.70 | 110 | 2 min |" in table
+  assert "| r1_seed0 | bf16 | 1 (in progress) | 20 | – | – | 2.50 | 100 | 2 min |" in table
+  for name, draw in (("plot.png", study.plot), ("diag.png", study.plot_diagnostic)):
+    draw(rows, str(tmp_path / name))
+    assert open(tmp_path / name, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_table1_grid_commands_and_schedules(tmp_path):
+  grid = study.GRIDS["table1"]
+  assert sorted(grid) == ["r1_norecon", "r1_recon", "r3_norecon", "r3_recon",
+                          "r3_recon_nostop"]
+  settings = dict(epochs=50, precision="bf16", decay_steps=143, diag_every=100,
+                  val_every=0)
+  folder = study.run_dir("/runs", "r3_recon_nostop", 1, 143)
+  assert folder == "/runs/r3_recon_nostop_decay143_seed1"
+  assert study.run_dir("/runs", "r1_norecon", 0) == "/runs/r1_norecon_seed0"
+  cmd = study.train_command(grid["r3_recon_nostop"], 1, folder, settings, ["--x=1"])
+  assert cmd[1].endswith("train.py")
+  assert cmd[2:] == ["--iter_routing=3", "--stop_gradient=False", "--use_decoder=True",
+                     "--seed=1", "--epochs=50", f"--logdir={folder}", "--precision=bf16",
+                     "--decay_steps=143", "--diag_every=100", "--val_every=0",
+                     "--progress=false", "--x=1"]
+  assert "--use_decoder=False" in study.train_command(grid["r1_norecon"], 0, folder,
+                                                      settings, [])
+  # Two schedules of one variant: a row each, and only the small files published.
+  out = str(tmp_path / "runs")
+  fake_run(study.run_dir(out, "r3_recon", 0), 0.4, [1.0, 0.5], [0.1, 0.2], epochs=2)
+  fake_run(study.run_dir(out, "r3_recon", 0, 143), 0.3, [0.9, 0.4], [0.1, 0.3], epochs=2)
+  open(os.path.join(study.run_dir(out, "r3_recon", 0), "model.ckpt-1.index"), "w").close()
+  rows = study.summarize(out, "table1", ["r3_recon"], [0], 2, (2000, 143))
+  assert [(r["variant"], r["decay_steps"], r["test_error_mean"]) for r in rows] == [
+      ("r3_recon", 2000, 0.4), ("r3_recon", 143, 0.3)]
+  assert rows[0]["use_decoder"] is True and rows[0]["stop_gradient"] is True
+  published = str(tmp_path / "published")
+  study.report(rows, published)
+  study.publish(out, rows, published)
+  assert sorted(os.listdir(published)) == [
+      "diagnostic.png", "r3_recon_decay143_seed0", "r3_recon_seed0", "results.json",
+      "results.md", "val_error.png"]
+  assert sorted(os.listdir(os.path.join(published, "r3_recon_seed0"))) == sorted(
+      study.SMALL_FILES)
 
 
 @needs_mnist
@@ -61,28 +111,38 @@ def test_study_cli_runs_then_skips(tmp_path):
   proc = subprocess.run(args, capture_output=True, text=True, cwd=ROOT, env=env,
                         timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
-  for name in ("results.md", "results.json", "val_error.png", "r1_seed0.log",
-               "r2_nostop_seed0/test_results.json"):
+  for name in ("results.md", "results.json", "val_error.png", "diagnostic.png",
+               "r1_seed0.log", "r2_nostop_seed0/test_results.json"):
     assert os.path.exists(os.path.join(out, name)), name
   rows = json.load(open(os.path.join(out, "results.json")))
   assert [r["variant"] for r in rows] == ["r1", "r2_nostop"]
-  assert all(r["seeds"] == 1 and 0 <= r["test_error_mean"] <= 100 for r in rows)
+  for r in rows:
+    test = json.load(open(os.path.join(out, f"{r['variant']}_seed0", "test_results.json")))
+    assert r["seeds"] == 1 and r["test_errors"] == [test["error_percent"]]
+    assert r["runs"][0]["steps"] == 20 and r["runs"][0]["precision"] == "fp32"
   # r = 1: no inner iteration, nothing flows through c.
   assert rows[0]["diag"]["digit_caps/weights"] == [0.0, 0.0]
-  assert rows[1]["diag"]["digit_caps/weights"][1] > 0
+  assert rows[1]["diag"]["digit_caps/weights"][1] > 1e-4
   # Curves: validations at steps 10 and the epoch end (20 steps).
   assert [p[0] for p in rows[1]["curves"][0]] == [0.5, 1]
   proc = subprocess.run(args, capture_output=True, text=True, cwd=ROOT, env=env,
                         timeout=600)
   assert proc.returncode == 0
-  assert "r1 seed 0: complete, skipped" in proc.stdout
-  assert "r2_nostop seed 0: complete, skipped" in proc.stdout
+  assert "r1_seed0: complete, skipped" in proc.stdout
+  assert "r2_nostop_seed0: complete, skipped" in proc.stdout
 
 
-def test_unknown_variant(tmp_path):
-  proc = subprocess.run([sys.executable, "-m", "capsnet.study", "--variants=r9",
-                         f"--out={tmp_path}"], capture_output=True, text=True, cwd=ROOT)
-  assert proc.returncode != 0
-  assert proc.stderr.strip().splitlines()[-1] == (
-      "study: error: --variants: ['r9'] not in "
+def test_study_flag_errors(tmp_path):
+  def last_error(*flags):
+    proc = subprocess.run([sys.executable, "-m", "capsnet.study", *flags,
+                           f"--out={tmp_path}"], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode != 0
+    return proc.stderr.strip().splitlines()[-1]
+  assert last_error("--variants=r9") == (
+      "study: error: --variants: ['r9'] not in the stop_gradient grid "
       "['r1', 'r2_stop', 'r2_nostop', 'r3_stop', 'r3_nostop']")
+  assert last_error("--grid=table1", "--variants=r3_stop") == (
+      "study: error: --variants: ['r3_stop'] not in the table1 grid "
+      "['r1_norecon', 'r1_recon', 'r3_norecon', 'r3_recon', 'r3_recon_nostop']")
+  assert last_error("--decay_steps=2000,x") == (
+      "study: error: --decay_steps=2000,x: expected positive integers")
