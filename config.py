@@ -11,8 +11,6 @@ import tensorflow as tf
 from capsnet import input as data
 from capsnet import model
 
-FLAGS = flags.FLAGS
-
 _MODEL_HELP = {
     "image_size": "input height = width in pixels",
     "image_channels": "input channels",
@@ -105,13 +103,12 @@ def define_train_flags():
   flags.DEFINE_bool("progress", True, "show a tqdm progress bar")
 
 
-def model_config_from_flags(values=None):
-  """A ModelConfig from parsed flags (FLAGS by default).
+def model_config_from_flags(values):
+  """A ModelConfig from parsed flags (`FLAGS`, passed by a `main`).
 
   Raises:
     ValueError: a value the config rejects; the message names the field.
   """
-  values = values or FLAGS
   kwargs = {}
   for field in dataclasses.fields(model.ModelConfig):
     value = values[field.name].value
@@ -129,6 +126,3 @@ def default_device():
   """/gpu:0 when TensorFlow sees a GPU, else /cpu:0 (the --device default)."""
   return "/gpu:0" if tf.config.list_physical_devices("GPU") else "/cpu:0"
 
-
-def data_dir():
-  return FLAGS.data_dir or f"data/{FLAGS.dataset}"

@@ -12,7 +12,6 @@ reconstructions.png (inputs beside their reconstructions) and figure4.png
 [-0.25, 0.25] in steps of 0.05, decoded; Figure 4 of the paper).
 """
 import dataclasses
-import json
 import os
 import sys
 
@@ -25,8 +24,8 @@ import config
 from capsnet import evaluation
 from capsnet import files
 from capsnet import input as data
-from capsnet import layers
 from capsnet import model
+from capsnet import runs
 
 flags.DEFINE_string("checkpoint", None, "checkpoint prefix or training logdir")
 flags.DEFINE_enum("which", "best", ["best", "latest"], "checkpoint of a logdir")
@@ -44,56 +43,6 @@ FLAGS = flags.FLAGS
 PERTURBATIONS = np.round(np.arange(-0.25, 0.2501, 0.05), 2)   # 11 values
 
 
-class EvalError(ValueError):
-  pass
-
-
-def resolve(path, which):
-  """(checkpoint prefix, run folder holding config.json) for --checkpoint."""
-  if os.path.isdir(path):
-    folder = os.path.join(path, which)
-    ckpt = tf.train.latest_checkpoint(folder) if os.path.isdir(folder) else None
-    if ckpt is None:
-      raise EvalError(f"{path}: no checkpoint in {folder}"
-                      + (" (try --which=latest)" if which == "best" else ""))
-    return ckpt, path
-  if not os.path.exists(path + ".index"):
-    raise EvalError(f"{path}: no such checkpoint (expected {path}.index) or logdir")
-  parent = os.path.dirname(os.path.abspath(path))
-  for run_dir in (parent, os.path.dirname(parent)):
-    if os.path.exists(os.path.join(run_dir, "config.json")):
-      return path, run_dir
-  raise EvalError(f"{path}: no config.json beside the checkpoint or one folder up")
-
-
-def load_config(run_dir):
-  path = os.path.join(run_dir, "config.json")
-  if not os.path.exists(path):
-    raise EvalError(f"{path}: missing; cannot rebuild the graph")
-  try:
-    with open(path) as f:
-      saved = json.load(f)
-    cfg = model.ModelConfig(**saved["model"])
-  except (ValueError, KeyError, TypeError) as e:
-    raise EvalError(f"{path}: not a valid config.json ({e})") from None
-  return cfg, saved.get("train", {})
-
-
-def check_matches(ckpt, variables):
-  """Every model variable is in the checkpoint with the same shape."""
-  try:
-    saved = dict(tf.train.list_variables(ckpt))
-  except (tf.errors.OpError, ValueError) as e:
-    raise EvalError(f"{ckpt}: unreadable checkpoint ({e.__class__.__name__})") from None
-  for var in variables:
-    name, shape = var.op.name, var.shape.as_list()
-    if name not in saved:
-      raise EvalError(f"{ckpt}: checkpoint of another architecture: no variable {name}")
-    if list(saved[name]) != shape:
-      raise EvalError(f"{ckpt}: checkpoint of another architecture: {name} is "
-                      f"{list(saved[name])} in the checkpoint, {shape} in config.json")
-
-
 def tile(images, columns, gap=2):
   """`[n, h, w]` floats in [0, 1] -> one uint8 `[H, W, 1]` grid, row-major."""
   n, h, w = images.shape
@@ -105,50 +54,67 @@ def tile(images, columns, gap=2):
   return (np.clip(grid, 0, 1) * 255).round().astype(np.uint8)[..., None]
 
 
+@dataclasses.dataclass(frozen=True)
+class Settings:
+  """eval.py's flags, read once in `main`."""
+  checkpoint: str
+  which: str
+  iter_routing: int         # None: the run's own
+  split: str
+  batch_size: int
+  out_dir: str              # None: <run>/eval_<checkpoint>_r<r>_<split>
+  device: str
+  num_images: int
+  figure4_images: int
+  dataset: str              # None: the run's own
+  data_dir: str
+  download: bool
+
+
 def main(argv):
   del argv
   tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.ERROR)  # deprecations
+  s = Settings(**{f.name: FLAGS[f.name].value for f in dataclasses.fields(Settings)})
   try:
-    ckpt, run_dir = resolve(FLAGS.checkpoint, FLAGS.which)
-    cfg, train_settings = load_config(run_dir)
-    if FLAGS.iter_routing:
-      cfg = dataclasses.replace(cfg, iter_routing=FLAGS.iter_routing)
-    dataset = FLAGS.dataset or train_settings.get("dataset", "mnist")
-    data_dir = FLAGS.data_dir or f"data/{dataset}"
-    splits = data.load(dataset, data_dir, train_settings.get("val_size", 5000),
-                       FLAGS.download)
-    images, labels = splits[FLAGS.split]
-    evaluate(cfg, ckpt, images, labels, dataset, run_dir)
-  except ValueError as e:   # EvalError, DataError, ModelConfig errors
+    ckpt, run_dir = runs.resolve(s.checkpoint, s.which)
+    cfg, train_settings = runs.load_config(run_dir)
+    if s.iter_routing:
+      cfg = dataclasses.replace(cfg, iter_routing=s.iter_routing)
+    dataset = s.dataset or train_settings.get("dataset", "mnist")
+    splits = data.load(dataset, s.data_dir or f"data/{dataset}",
+                       train_settings.get("val_size", 5000), s.download)
+    images, labels = splits[s.split]
+    evaluate(cfg, ckpt, images, labels, dataclasses.replace(s, dataset=dataset),
+             run_dir)
+  except ValueError as e:   # RunError, DataError, ModelConfig errors
     sys.exit(f"eval.py: error: {e}")
 
 
-def evaluate(cfg, ckpt, images, labels, dataset, run_dir):
-  out_dir = FLAGS.out_dir or os.path.join(
-      run_dir, f"eval_{os.path.basename(ckpt)}_r{cfg.iter_routing}_{FLAGS.split}")
-  device = FLAGS.device or config.default_device()
+def evaluate(cfg, ckpt, images, labels, s, run_dir):
+  """Scores (images, labels) with the checkpoint; writes and prints the report."""
+  out_dir = s.out_dir or os.path.join(
+      run_dir, f"eval_{os.path.basename(ckpt)}_r{cfg.iter_routing}_{s.split}")
   with tf.Graph().as_default():
-    ev = evaluation.build(cfg, FLAGS.batch_size, device)
-    caps_in = tf.compat.v1.placeholder(ev.outputs.v.dtype,
-                                       [None, cfg.num_classes * cfg.digit_dim])
-    decoded = None
+    ev = evaluation.build(cfg, s.batch_size, s.device or config.default_device())
+    figure4 = None
     if cfg.use_decoder:
-      with tf.compat.v1.variable_scope("capsnet", reuse=True):
-        decoded = layers.decoder(caps_in, cfg.decoder_units, cfg.num_pixels)
+      v_in = tf.compat.v1.placeholder(ev.outputs.v.dtype, ev.outputs.v.shape)
+      class_in = tf.compat.v1.placeholder(tf.int32, [None])
+      figure4 = (v_in, class_in, model.decode(v_in, class_in, cfg))
     variables = tf.compat.v1.global_variables()
-    check_matches(ckpt, variables)
+    runs.check_matches(ckpt, variables)
     saver = tf.compat.v1.train.Saver(variables)
     proto = tf.compat.v1.ConfigProto(allow_soft_placement=True)
     with tf.compat.v1.Session(config=proto) as sess:
       saver.restore(sess, ckpt)
       res = evaluation.run(sess, ev, images, labels)
       os.makedirs(out_dir, exist_ok=True)
-      result = dict(evaluation.summary(res), checkpoint=ckpt, dataset=dataset,
-                    split=FLAGS.split, iter_routing=cfg.iter_routing)
+      result = dict(evaluation.summary(res), checkpoint=ckpt, dataset=s.dataset,
+                    split=s.split, iter_routing=cfg.iter_routing)
       files.write_json(os.path.join(out_dir, "results.json"), result)
       write_predictions(os.path.join(out_dir, "predictions.csv"), labels, res)
-      if cfg.use_decoder and cfg.image_channels == 1:
-        write_pictures(sess, ev, caps_in, decoded, images, labels, cfg, out_dir)
+      if figure4 and cfg.image_channels == 1:
+        write_pictures(sess, ev, figure4, images, labels, cfg, s, out_dir)
   print_report(result, out_dir)
 
 
@@ -160,26 +126,31 @@ def write_predictions(path, labels, res):
   files.atomic_write(path, "\n".join(lines) + "\n")
 
 
-def write_pictures(sess, ev, caps_in, decoded, images, labels, cfg, out_dir):
-  """reconstructions.png and figure4.png from the first test images."""
-  n = max(FLAGS.num_images, FLAGS.figure4_images)
+def write_pictures(sess, ev, figure4, images, labels, cfg, s, out_dir):
+  """reconstructions.png and figure4.png from the first test images.
+
+  Args:
+    figure4: (v placeholder, class placeholder, decoded images) of `model.decode`.
+  """
+  n = max(s.num_images, s.figure4_images)
   sess.run(ev.iterator.initializer, {ev.images: images[:n], ev.labels: labels[:n]})
   inputs, recon, v, pred = sess.run([ev.batch_images, ev.outputs.reconstructions,
                                      ev.outputs.v, ev.outputs.predictions])
   size = cfg.image_size
-  pairs = np.stack([inputs[:FLAGS.num_images, ..., 0],
-                    recon[:FLAGS.num_images].reshape(-1, size, size)], axis=1)
+  pairs = np.stack([inputs[:s.num_images, ..., 0],
+                    recon[:s.num_images].reshape(-1, size, size)], axis=1)
   png = tf.io.encode_png(tile(pairs.reshape(-1, size, size), columns=8))
   files.atomic_write(os.path.join(out_dir, "reconstructions.png"), sess.run(png))
   # Figure 4: for each image, 16 rows (dimensions) x 11 columns (perturbations).
+  v_in, class_in, decoded = figure4
   blocks = []
-  for k in range(FLAGS.figure4_images):
-    caps = np.zeros([cfg.digit_dim, len(PERTURBATIONS), cfg.num_classes, cfg.digit_dim],
-                    np.float32)
-    caps[:, :, pred[k], :] = v[k, pred[k]]
+  for k in range(s.figure4_images):
+    caps = np.repeat(v[k][None], cfg.digit_dim * len(PERTURBATIONS), axis=0)
+    caps = caps.reshape(cfg.digit_dim, len(PERTURBATIONS), cfg.num_classes, cfg.digit_dim)
     for d in range(cfg.digit_dim):
       caps[d, :, pred[k], d] += PERTURBATIONS
-    out = sess.run(decoded, {caps_in: caps.reshape(-1, cfg.num_classes * cfg.digit_dim)})
+    out = sess.run(decoded, {v_in: caps.reshape(-1, cfg.num_classes, cfg.digit_dim),
+                             class_in: np.full(len(caps) * len(PERTURBATIONS), pred[k])})
     blocks.append(out.reshape(-1, size, size))
   tiles = [tile(b, columns=len(PERTURBATIONS)) for b in blocks]
   gap = np.full([tiles[0].shape[0], 8, 1], 255, np.uint8)

@@ -14,7 +14,12 @@ anywhere. Layout of --logdir:
 
 Re-running with the same --logdir resumes from latest/ (step, optimizer state,
 epoch, position in the epoch's data order).
+
+The file reads top to bottom: settings (read from the flags once, in `main`),
+the run's position, the graph, then the loop: restore or initialise, train an
+epoch, end it (validate, save), and score the best checkpoint on the test set.
 """
+import collections
 import dataclasses
 import json
 import os
@@ -43,9 +48,62 @@ FLAGS = flags.FLAGS
 # how the same computation is carried out, not what is computed.
 RESUMABLE_CHANGES = ("precision", "conv_impl")
 
+# Trainer settings written to config.json ("train").
+RECORDED_SETTINGS = ("dataset", "val_size", "train_size", "batch_size",
+                     "learning_rate", "decay_steps", "decay_rate", "seed", "epochs")
+
 
 class TrainingError(Exception):
   """Training cannot go on (non-finite loss)."""
+
+
+# --------------------------------------------------------------------------
+# Settings
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+  """The trainer's flags (all but the model's), read once in `main`."""
+  logdir: str
+  dataset: str
+  data_dir: str
+  download: bool
+  val_size: int
+  train_size: int
+  epochs: int
+  max_steps: int            # 0: no limit
+  batch_size: int           # all towers together
+  eval_batch_size: int
+  learning_rate: float
+  decay_steps: int
+  decay_rate: float
+  seed: int
+  device: str               # tower 0's device
+  num_gpus: int             # towers
+  log_device_placement: bool
+  save_every: int
+  summary_every: int
+  diag_every: int           # 0: off
+  val_every: int            # 0: epoch ends only
+  progress: bool
+
+  def recorded(self):
+    """The part of the settings that config.json keeps."""
+    return {k: getattr(self, k) for k in RECORDED_SETTINGS}
+
+
+def settings_from_flags(values):
+  """A `Settings` from parsed flags; resolves the device and data defaults.
+
+  Raises: ValueError for a batch that does not split over the towers.
+  """
+  names = [f.name for f in dataclasses.fields(Settings)]
+  kwargs = {name: values[name].value for name in names}
+  kwargs["device"] = kwargs["device"] or config.default_device()
+  kwargs["data_dir"] = kwargs["data_dir"] or f"data/{kwargs['dataset']}"
+  if kwargs["batch_size"] % kwargs["num_gpus"]:
+    raise ValueError(f"--batch_size={kwargs['batch_size']} must divide by "
+                     f"--num_gpus={kwargs['num_gpus']}")
+  return Settings(**kwargs)
 
 
 def tower_devices(device, num_towers):
@@ -56,13 +114,22 @@ def tower_devices(device, num_towers):
   return [f"{kind}:{i}" for i in range(num_towers)]
 
 
-def train_settings():
-  keys = ("dataset", "val_size", "train_size", "batch_size", "learning_rate",
-          "decay_steps", "decay_rate", "seed", "epochs")
-  return {k: FLAGS[k].value for k in keys}
+def load_splits(s):
+  """train/validation/test arrays of the settings' data set.
+
+  Raises: DataError (a ValueError) for missing or corrupt files, ValueError
+  for a batch larger than the training split.
+  """
+  splits = data.load(s.dataset, s.data_dir, s.val_size, s.download)
+  if s.train_size:
+    splits["train"] = tuple(a[:s.train_size] for a in splits["train"])
+  if len(splits["train"][0]) < s.batch_size:
+    raise ValueError(f"--batch_size={s.batch_size} is larger than the "
+                     f"{len(splits['train'][0])} training images")
+  return splits
 
 
-def check_logdir(logdir, cfg):
+def check_logdir(logdir, cfg, s):
   """Refuses a logdir whose config.json disagrees with `cfg`; writes it.
 
   Raises: ValueError naming the file and the first differing field.
@@ -74,8 +141,7 @@ def check_logdir(logdir, cfg):
         old = json.load(f)["model"]
     except (OSError, ValueError, KeyError, TypeError) as e:
       raise ValueError(f"{path}: not a valid config.json ({e})") from None
-    new = dataclasses.asdict(cfg)
-    for field, value in new.items():
+    for field, value in dataclasses.asdict(cfg).items():
       if field in RESUMABLE_CHANGES:
         continue
       before = old.get(field)
@@ -84,255 +150,340 @@ def check_logdir(logdir, cfg):
         raise ValueError(f"{path} has {field}={before!r}, the flags give "
                          f"{value!r}: use another --logdir or the same value")
   os.makedirs(logdir, exist_ok=True)
-  files.write_json(path, {"model": dataclasses.asdict(cfg), "train": train_settings()})
+  files.write_json(path, {"model": dataclasses.asdict(cfg), "train": s.recorded()})
 
 
-class Graph:
-  """Everything train.py runs, built in one tf.Graph."""
+# --------------------------------------------------------------------------
+# The run's position
 
-  def __init__(self, cfg, devices, fixed_batch):
-    self.graph = tf.Graph()
-    with self.graph.as_default():
-      tf.compat.v1.set_random_seed(FLAGS.seed)
-      self.global_step = tf.compat.v1.train.get_or_create_global_step()
-      # Where the run is, saved with the weights so that a resume continues.
-      self.epoch = tf.compat.v1.get_variable("state/epoch", [], tf.int64,
-                                             tf.zeros_initializer(), trainable=False)
-      self.epoch_examples = tf.compat.v1.get_variable(
-          "state/epoch_examples", [], tf.int64, tf.zeros_initializer(), trainable=False)
-      self.best_val = tf.compat.v1.get_variable(
-          "state/best_val_accuracy", [], tf.float32,
-          tf.constant_initializer(-1.0), trainable=False)
-      self.state_in = {
-          k: tf.compat.v1.placeholder(v.dtype.base_dtype, [])
-          for k, v in (("epoch", self.epoch), ("epoch_examples", self.epoch_examples),
-                       ("best_val", self.best_val))}
-      self.set_state = tf.group(
-          self.epoch.assign(self.state_in["epoch"]),
-          self.epoch_examples.assign(self.state_in["epoch_examples"]),
-          self.best_val.assign(self.state_in["best_val"]))
-
-      shape = [None, cfg.image_size, cfg.image_size, cfg.image_channels]
-      with tf.device("/cpu:0"), tf.name_scope("train_input"):
-        self.images_in = tf.compat.v1.placeholder(tf.uint8, shape, name="images")
-        self.labels_in = tf.compat.v1.placeholder(tf.int32, [None], name="labels")
-        self.seed_in = tf.compat.v1.placeholder(tf.int64, [], name="seed")
-        self.first_batch_in = tf.compat.v1.placeholder(tf.int64, [], name="first_batch")
-        ds = data.make_dataset(self.images_in, self.labels_in, FLAGS.batch_size,
-                               augment=True, seed=self.seed_in, drop_remainder=True,
-                               first_batch=self.first_batch_in)
-        self.iterator = tf.compat.v1.data.make_initializable_iterator(ds)
-        images, labels = self.iterator.get_next()
-
-      self.lr = tf.compat.v1.train.exponential_decay(
-          FLAGS.learning_rate, self.global_step, FLAGS.decay_steps, FLAGS.decay_rate)
-      opt = tf.compat.v1.train.AdamOptimizer(self.lr)
-      grads, outs = model.tower_gradients(images, labels, cfg, opt, devices)
-      self.train_op = opt.apply_gradients(grads, self.global_step)
-      n = float(len(outs))
-      self.loss = tf.add_n([o.loss for o in outs]) / n
-      self.accuracy = tf.add_n([o.accuracy for o in outs]) / n
-      self.summary = self._summaries(cfg, outs[0], images)
-
-      self.eval = evaluation.build(cfg, FLAGS.eval_batch_size, devices[0])
-      self.diag = {}
-      if FLAGS.diag_every:
-        with tf.compat.v1.device(devices[0]), tf.name_scope("diagnostic"):
-          self.diag = model.gradient_diagnostic(
-              tf.constant(fixed_batch[0], tf.float32) / 255.0,
-              tf.constant(fixed_batch[1]), cfg)
-      self.saver_latest = tf.compat.v1.train.Saver(max_to_keep=2, save_relative_paths=True)
-      self.saver_best = tf.compat.v1.train.Saver(max_to_keep=1, save_relative_paths=True)
-      self.init = tf.compat.v1.global_variables_initializer()
-    self.graph.finalize()
-
-  def _summaries(self, cfg, out, images):
-    """Created once, from tower 0, outside the tower scopes."""
-    scalar = tf.compat.v1.summary.scalar
-    items = [scalar("loss/total", out.loss),
-             scalar("loss/margin", tf.reduce_mean(out.margin_loss)),
-             scalar("loss/reconstruction", tf.reduce_mean(out.recon_loss)),
-             scalar("accuracy", out.accuracy),
-             scalar("learning_rate", self.lr)]
-    for r, c in enumerate(model.coupling_per_iteration(out, cfg.iter_routing)):
-      items.append(scalar(f"routing/entropy_iter_{r}", model.routing_entropy(c)))
-      items.append(scalar(f"routing/max_c_iter_{r}",
-                          tf.reduce_mean(tf.reduce_max(c, axis=2))))
-    if out.reconstructions is not None:
-      recon = tf.reshape(out.reconstructions[:4], tf.shape(images[:4]))
-      pairs = tf.concat([tf.cast(images[:4], recon.dtype), recon], axis=2)
-      items.append(tf.compat.v1.summary.image("input_vs_reconstruction", pairs,
-                                              max_outputs=4))
-    return tf.compat.v1.summary.merge(items)
+@dataclasses.dataclass
+class Position:
+  """Where a run is. Saved with the weights, so that a resume continues."""
+  step: int = 0             # global step
+  epoch: int = 0            # completed epochs
+  examples: int = 0         # examples of the current epoch already trained
+  best_val: float = -1.0    # best validation accuracy so far (-1: none)
 
 
-def session_config(devices):
+class RunState:
+  """A `Position` kept in variables, so that every checkpoint holds it."""
+
+  def __init__(self):
+    self.global_step = tf.compat.v1.train.get_or_create_global_step()
+    get = tf.compat.v1.get_variable
+    self._vars = {   # Position field: variable (names kept for old checkpoints)
+        "epoch": get("state/epoch", [], tf.int64, tf.zeros_initializer(),
+                     trainable=False),
+        "examples": get("state/epoch_examples", [], tf.int64,
+                        tf.zeros_initializer(), trainable=False),
+        "best_val": get("state/best_val_accuracy", [], tf.float32,
+                        tf.constant_initializer(-1.0), trainable=False)}
+    self._feeds = {k: tf.compat.v1.placeholder(v.dtype.base_dtype, [])
+                   for k, v in self._vars.items()}
+    self._assign = tf.group(*[v.assign(self._feeds[k]) for k, v in self._vars.items()])
+
+  def load(self, sess):
+    """The position held by the variables (after a restore or an init)."""
+    step, *rest = sess.run([self.global_step, *self._vars.values()])
+    return Position(step.item(), *(x.item() for x in rest))
+
+  def save(self, sess, saver, folder, pos):
+    """Writes `pos` into the variables, then a checkpoint into `folder`."""
+    sess.run(self._assign, {self._feeds[k]: getattr(pos, k) for k in self._vars})
+    return saver.save(sess, os.path.join(folder, "model.ckpt"), self.global_step)
+
+
+# --------------------------------------------------------------------------
+# The graph
+
+TrainGraph = collections.namedtuple("TrainGraph", [
+    "graph", "state", "input", "lr", "train_op", "loss", "accuracy", "summary",
+    "eval", "diag", "saver_latest", "saver_best", "init"])
+
+
+def build_graph(cfg, s, devices, fixed_batch):
+  """Everything train.py runs, in one finalized tf.Graph.
+
+  Args:
+    fixed_batch: (images, labels) arrays for the gradient diagnostic.
+  Returns: a `TrainGraph`.
+  """
+  graph = tf.Graph()
+  with graph.as_default():
+    tf.compat.v1.set_random_seed(s.seed)
+    state = RunState()
+    pipe = data.fed_pipeline([cfg.image_size, cfg.image_size, cfg.image_channels],
+                             s.batch_size, augment=True, drop_remainder=True,
+                             name="train_input")
+    images, labels = pipe.batch
+    lr = tf.compat.v1.train.exponential_decay(
+        s.learning_rate, state.global_step, s.decay_steps, s.decay_rate)
+    opt = tf.compat.v1.train.AdamOptimizer(lr)
+    grads, outs = model.tower_gradients(images, labels, cfg, opt, devices)
+    train_op = opt.apply_gradients(grads, state.global_step)
+    n = float(len(outs))
+    loss = tf.add_n([o.loss for o in outs]) / n
+    accuracy = tf.add_n([o.accuracy for o in outs]) / n
+    summary = _summaries(outs[0], images, lr)
+    ev = evaluation.build(cfg, s.eval_batch_size, devices[0])
+    diag = {}
+    if s.diag_every:
+      with tf.compat.v1.device(devices[0]), tf.name_scope("diagnostic"):
+        diag = model.gradient_diagnostic(
+            tf.constant(fixed_batch[0], tf.float32) / 255.0,
+            tf.constant(fixed_batch[1]), cfg)
+    saver_latest = tf.compat.v1.train.Saver(max_to_keep=2, save_relative_paths=True)
+    saver_best = tf.compat.v1.train.Saver(max_to_keep=1, save_relative_paths=True)
+    init = tf.compat.v1.global_variables_initializer()
+  graph.finalize()
+  return TrainGraph(graph, state, pipe, lr, train_op, loss, accuracy, summary, ev,
+                    diag, saver_latest, saver_best, init)
+
+
+def _summaries(out, images, lr):
+  """Created once, from tower 0, outside the tower scopes."""
+  scalar = tf.compat.v1.summary.scalar
+  items = [scalar("loss/total", out.loss),
+           scalar("loss/margin", tf.reduce_mean(out.margin_loss)),
+           scalar("loss/reconstruction", tf.reduce_mean(out.recon_loss)),
+           scalar("accuracy", out.accuracy),
+           scalar("learning_rate", lr)]
+  for r, c in enumerate(out.couplings):
+    items.append(scalar(f"routing/entropy_iter_{r}", model.routing_entropy(c)))
+    items.append(scalar(f"routing/max_c_iter_{r}",
+                        tf.reduce_mean(tf.reduce_max(c, axis=2))))
+  if out.reconstructions is not None:
+    recon = tf.reshape(out.reconstructions[:4], tf.shape(images[:4]))
+    pairs = tf.concat([tf.cast(images[:4], recon.dtype), recon], axis=2)
+    items.append(tf.compat.v1.summary.image("input_vs_reconstruction", pairs,
+                                            max_outputs=4))
+  return tf.compat.v1.summary.merge(items)
+
+
+def session_config(devices, log_device_placement=False):
   proto = tf.compat.v1.ConfigProto(allow_soft_placement=True,
-                                   log_device_placement=FLAGS.log_device_placement)
+                                   log_device_placement=log_device_placement)
   cpus = sum(d.lower().startswith("/cpu") for d in devices)
   if cpus > 1:   # towers on logical CPU devices
     proto.device_count["CPU"] = cpus
   return proto
 
 
+# --------------------------------------------------------------------------
+# The loop
+
+class StopRequest:
+  """Ctrl-C once: stop after this step and save. Twice: quit at once."""
+
+  def __init__(self):
+    self.requested = False
+
+  def __call__(self, signum, frame):
+    if self.requested:
+      raise KeyboardInterrupt
+    self.requested = True
+    tqdm.tqdm.write("Interrupted: saving a checkpoint at the end of this step "
+                    "(Ctrl-C again to quit without saving)")
+
+
+# What one call of `train` works with.
+Run = collections.namedtuple("Run", ["sess", "g", "s", "splits", "writer", "stop"])
+
+
 def main(argv):
   del argv
   tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.ERROR)  # deprecations
   try:
-    cfg = config.model_config_from_flags()
-    if FLAGS.batch_size % FLAGS.num_gpus:
-      raise ValueError(f"--batch_size={FLAGS.batch_size} must divide by "
-                       f"--num_gpus={FLAGS.num_gpus}")
-    device = FLAGS.device or config.default_device()
-    devices = tower_devices(device, FLAGS.num_gpus)
-    splits = data.load(FLAGS.dataset, config.data_dir(), FLAGS.val_size,
-                       FLAGS.download)
-    if FLAGS.train_size:
-      splits["train"] = tuple(a[:FLAGS.train_size] for a in splits["train"])
-    train_x, train_y = splits["train"]
-    if len(train_x) < FLAGS.batch_size:
-      raise ValueError(f"--batch_size={FLAGS.batch_size} is larger than the "
-                       f"{len(train_x)} training images")
-    check_logdir(FLAGS.logdir, cfg)
+    cfg = config.model_config_from_flags(FLAGS)
+    s = settings_from_flags(FLAGS)
+    devices = tower_devices(s.device, s.num_gpus)
+    splits = load_splits(s)
+    check_logdir(s.logdir, cfg, s)
   except ValueError as e:   # DataError is a ValueError
     sys.exit(f"train.py: error: {e}")
   try:
-    train(cfg, devices, splits)
+    train(cfg, s, devices, splits)
   except TrainingError as e:
     sys.exit(f"train.py: error: {e}")
 
 
-def train(cfg, devices, splits):
-  logdir = FLAGS.logdir
+def train(cfg, s, devices, splits):
+  """Trains until --epochs or --max_steps, then tests the best checkpoint.
+
+  Exits with status 130 after a Ctrl-C, once the checkpoint is saved.
+  """
   train_x, train_y = splits["train"]
-  val_x, val_y = splits["validation"]
-  steps_per_epoch = len(train_x) // FLAGS.batch_size
-  g = Graph(cfg, devices, (train_x[:32], train_y[:32]))
-  latest_dir, best_dir = os.path.join(logdir, "latest"), os.path.join(logdir, "best")
-  stop = {"requested": False}
-
-  def on_sigint(signum, frame):
-    if stop["requested"]:
-      raise KeyboardInterrupt
-    stop["requested"] = True
-    tqdm.tqdm.write("Interrupted: saving a checkpoint at the end of this step "
-                    "(Ctrl-C again to quit without saving)")
-  previous_handler = signal.signal(signal.SIGINT, on_sigint)
-
-  with tf.compat.v1.Session(graph=g.graph, config=session_config(devices)) as sess:
-    ckpt = tf.train.latest_checkpoint(latest_dir)
-    if ckpt:
-      g.saver_latest.restore(sess, ckpt)
-      print(f"Resuming from {ckpt}")
-    else:
-      sess.run(g.init)
-    step, epoch, examples, best_val = (x.item() for x in sess.run(
-        [g.global_step, g.epoch, g.epoch_examples, g.best_val]))
-    writer = tf.compat.v1.summary.FileWriter(logdir, g.graph if not ckpt else None)
-
-    def save(saver, folder, epoch, examples, best_val):
-      sess.run(g.set_state, {g.state_in["epoch"]: epoch,
-                             g.state_in["epoch_examples"]: examples,
-                             g.state_in["best_val"]: best_val})
-      return saver.save(sess, os.path.join(folder, "model.ckpt"), g.global_step)
-
-    def validate(row, epoch, examples, best_val):
-      """Scores the validation split, appends `row` to metrics.jsonl and
-      saves the best checkpoint; returns the best validation accuracy."""
-      if len(val_y):
-        val = evaluation.run(sess, g.eval, val_x, val_y)
-        row.update(val_loss=val["loss"], val_accuracy=val["accuracy"],
-                   val_error_percent=val["error_percent"])
-        print(f"epoch {row['epoch']}: validation accuracy {val['accuracy']:.4f} "
-              f"(error {val['error_percent']:.2f}%), loss {val['loss']:.4f}"
-              + (f", {row['images_per_sec']} images/s" if "images_per_sec" in row else ""))
-        add_scalars(writer, step, {"validation/accuracy": val["accuracy"],
-                                   "validation/loss": val["loss"]})
-      if not len(val_y) or val["accuracy"] > best_val:
-        # Without a validation split the newest state counts as the best.
-        best_val = val["accuracy"] if len(val_y) else best_val
-        save(g.saver_best, best_dir, epoch, examples, best_val)
-      files.append_jsonl(os.path.join(logdir, "metrics.jsonl"), row)
-      return best_val
-
-    def out_of_steps():
-      return FLAGS.max_steps and step >= FLAGS.max_steps
-
-    while epoch < FLAGS.epochs and not out_of_steps() and not stop["requested"]:
-      order = data.epoch_order(len(train_x), FLAGS.seed, epoch)[examples:]
-      done_batches = int(examples) // FLAGS.batch_size
-      sess.run(g.iterator.initializer, {
-          g.images_in: train_x[order], g.labels_in: train_y[order],
-          g.seed_in: FLAGS.seed * 100003 + epoch, g.first_batch_in: done_batches})
-      bar = tqdm.tqdm(total=steps_per_epoch, initial=done_batches,
-                      desc=f"epoch {epoch + 1}/{FLAGS.epochs}",
-                      disable=not FLAGS.progress, dynamic_ncols=True)
-      t_epoch, t_val, n_epoch, losses, accs = time.time(), 0.0, 0, [], []
-      while not stop["requested"] and not out_of_steps():
-        t0 = time.time()
-        fetch = [g.train_op, g.loss, g.accuracy]
-        want_summary = (step + 1) % FLAGS.summary_every == 0
-        if want_summary:
-          fetch.append(g.summary)
-        try:
-          res = sess.run(fetch)
-        except tf.errors.OutOfRangeError:
+  g = build_graph(cfg, s, devices, (train_x[:32], train_y[:32]))
+  stop = StopRequest()
+  previous_handler = signal.signal(signal.SIGINT, stop)
+  try:
+    with tf.compat.v1.Session(graph=g.graph, config=session_config(
+        devices, s.log_device_placement)) as sess:
+      pos, resumed = restore_or_init(sess, g, s.logdir)
+      writer = tf.compat.v1.summary.FileWriter(s.logdir, None if resumed else g.graph)
+      run = Run(sess, g, s, splits, writer, stop)
+      while pos.epoch < s.epochs and not out_of_steps(s, pos) and not stop.requested:
+        stats = run_epoch(run, pos)
+        if stop.requested or pos.examples < steps_per_epoch(run) * s.batch_size:
+          g.state.save(sess, g.saver_latest, _folder(s, "latest"), pos)
           break
-        loss_val, acc_val = res[1], res[2]
-        step += 1   # read back global_step in the same run may predate the update
-        if not np.isfinite(loss_val):
-          raise TrainingError(
-              f"loss is {loss_val} at step {step}; stopped without saving, the "
-              f"last good checkpoint is {tf.train.latest_checkpoint(latest_dir)}")
-        examples += FLAGS.batch_size
-        n_epoch += FLAGS.batch_size
-        losses.append(loss_val)
-        accs.append(acc_val)
-        if want_summary:
-          writer.add_summary(res[3], step)
-        if g.diag and (step % FLAGS.diag_every == 0 or step == 1):
-          record_diagnostic(sess, g, writer, step, epoch, examples, steps_per_epoch)
-        if (FLAGS.val_every and step % FLAGS.val_every == 0
-            and examples < steps_per_epoch * FLAGS.batch_size):
-          t = time.time()
-          position = round(epoch + examples / (steps_per_epoch * FLAGS.batch_size), 3)
-          best_val = validate({"epoch": position, "step": step}, epoch, examples, best_val)
-          t_val += time.time() - t
-        if step % FLAGS.save_every == 0:
-          save(g.saver_latest, latest_dir, epoch, examples, best_val)
-        bar.update(1)
-        bar.set_postfix(loss=f"{loss_val:.4f}", acc=f"{acc_val:.3f}",
-                        img_s=f"{FLAGS.batch_size / (time.time() - t0):.0f}")
-      bar.close()
-      if stop["requested"] or examples < steps_per_epoch * FLAGS.batch_size:
-        save(g.saver_latest, latest_dir, epoch, examples, best_val)
-        break
-      wall = time.time() - t_epoch - t_val
-      epoch, examples = epoch + 1, 0
-      row = {"epoch": epoch, "step": step, "wall_s": round(wall, 1),
-             "images_per_sec": round(n_epoch / wall, 1),
-             "train_loss": float(np.mean(losses)) if losses else None,
-             "train_accuracy": float(np.mean(accs)) if accs else None}
-      best_val = validate(row, epoch, examples, best_val)
-      save(g.saver_latest, latest_dir, epoch, examples, best_val)
-    writer.flush()
-
-    if stop["requested"]:
-      print(f"Saved {tf.train.latest_checkpoint(latest_dir)}; run again with "
-            f"--logdir={logdir} to resume")
-      signal.signal(signal.SIGINT, previous_handler)
-      sys.exit(130)
+        end_epoch(run, pos, stats)
+      writer.flush()
+      if stop.requested:
+        print(f"Saved {tf.train.latest_checkpoint(_folder(s, 'latest'))}; run "
+              f"again with --logdir={s.logdir} to resume")
+        sys.exit(130)
+      final_test(run)
+  finally:
     signal.signal(signal.SIGINT, previous_handler)
-    best = tf.train.latest_checkpoint(best_dir)
-    if best is None:
-      print("No completed epoch yet: no best checkpoint to test")
-      return
-    g.saver_best.restore(sess, best)
-    test = evaluation.run(sess, g.eval, *splits["test"])
-    result = dict(evaluation.summary(test), checkpoint=best, split="test")
-    files.write_json(os.path.join(logdir, "test_results.json"), result)
-    print(f"test ({best}): accuracy {test['accuracy']:.4f}, error "
-          f"{test['error_percent']:.2f}% on {test['count']} images")
+
+
+def _folder(s, which):
+  return os.path.join(s.logdir, which)
+
+
+def steps_per_epoch(run):
+  return len(run.splits["train"][0]) // run.s.batch_size
+
+
+def out_of_steps(s, pos):
+  return s.max_steps and pos.step >= s.max_steps
+
+
+def restore_or_init(sess, g, logdir):
+  """Restores the newest latest/ checkpoint, or initialises the variables.
+
+  Returns: (the run's `Position`, whether a checkpoint was restored).
+  """
+  ckpt = tf.train.latest_checkpoint(os.path.join(logdir, "latest"))
+  if ckpt:
+    g.saver_latest.restore(sess, ckpt)
+    print(f"Resuming from {ckpt}")
+  else:
+    sess.run(g.init)
+  return g.state.load(sess), bool(ckpt)
+
+
+@dataclasses.dataclass
+class EpochStats:
+  """What the steps of one `run_epoch` call saw."""
+  start: float                  # time.time() at the start
+  val_seconds: float = 0.0      # spent in validations inside the epoch
+  images: int = 0
+  losses: list = dataclasses.field(default_factory=list)
+  accuracies: list = dataclasses.field(default_factory=list)
+
+
+def run_epoch(run, pos):
+  """Trains from `pos` to the end of its epoch, --max_steps or a Ctrl-C.
+
+  Advances `pos` step by step (validating and saving on the way as the
+  settings ask). Returns: the `EpochStats` of the steps it ran.
+  """
+  sess, g, s = run.sess, run.g, run.s
+  train_x, train_y = run.splits["train"]
+  order = data.epoch_order(len(train_x), s.seed, pos.epoch)[pos.examples:]
+  done_batches = pos.examples // s.batch_size
+  sess.run(g.input.iterator.initializer, {
+      g.input.images: train_x[order], g.input.labels: train_y[order],
+      g.input.seed: s.seed * 100003 + pos.epoch, g.input.first_batch: done_batches})
+  bar = tqdm.tqdm(total=steps_per_epoch(run), initial=done_batches,
+                  desc=f"epoch {pos.epoch + 1}/{s.epochs}", disable=not s.progress,
+                  dynamic_ncols=True)
+  stats = EpochStats(time.time())
+  while not run.stop.requested and not out_of_steps(s, pos):
+    t0 = time.time()
+    if not train_step(run, pos, stats):
+      break
+    bar.update(1)
+    bar.set_postfix(loss=f"{stats.losses[-1]:.4f}", acc=f"{stats.accuracies[-1]:.3f}",
+                    img_s=f"{s.batch_size / (time.time() - t0):.0f}")
+  bar.close()
+  return stats
+
+
+def train_step(run, pos, stats):
+  """One training step and what follows it. Returns False at the epoch's end.
+
+  Raises: TrainingError for a non-finite loss (nothing saved).
+  """
+  sess, g, s = run.sess, run.g, run.s
+  fetch = [g.train_op, g.loss, g.accuracy]
+  want_summary = (pos.step + 1) % s.summary_every == 0
+  if want_summary:
+    fetch.append(g.summary)
+  try:
+    res = sess.run(fetch)
+  except tf.errors.OutOfRangeError:
+    return False
+  loss, accuracy = res[1], res[2]
+  pos.step += 1   # global_step read in the same run may predate the update
+  if not np.isfinite(loss):
+    raise TrainingError(
+        f"loss is {loss} at step {pos.step}; stopped without saving, the last "
+        f"good checkpoint is {tf.train.latest_checkpoint(_folder(s, 'latest'))}")
+  pos.examples += s.batch_size
+  stats.images += s.batch_size
+  stats.losses.append(loss)
+  stats.accuracies.append(accuracy)
+  if want_summary:
+    run.writer.add_summary(res[3], pos.step)
+  if g.diag and (pos.step % s.diag_every == 0 or pos.step == 1):
+    record_diagnostic(run, pos)
+  epoch_images = steps_per_epoch(run) * s.batch_size
+  if s.val_every and pos.step % s.val_every == 0 and pos.examples < epoch_images:
+    t = time.time()
+    validate(run, pos, {"epoch": round(pos.epoch + pos.examples / epoch_images, 3),
+                        "step": pos.step})
+    stats.val_seconds += time.time() - t
+  if pos.step % s.save_every == 0:
+    g.state.save(sess, g.saver_latest, _folder(s, "latest"), pos)
+  return True
+
+
+def end_epoch(run, pos, stats):
+  """Closes a completed epoch: its metrics row, validation, checkpoints."""
+  wall = time.time() - stats.start - stats.val_seconds
+  pos.epoch, pos.examples = pos.epoch + 1, 0
+  row = {"epoch": pos.epoch, "step": pos.step, "wall_s": round(wall, 1),
+         "images_per_sec": round(stats.images / wall, 1),
+         "train_loss": float(np.mean(stats.losses)) if stats.losses else None,
+         "train_accuracy": float(np.mean(stats.accuracies)) if stats.accuracies else None}
+  validate(run, pos, row)
+  run.g.state.save(run.sess, run.g.saver_latest, _folder(run.s, "latest"), pos)
+
+
+def validate(run, pos, row):
+  """Scores the validation split into `row`, appends it to metrics.jsonl and
+  saves the best checkpoint (without a validation split: the newest)."""
+  val_x, val_y = run.splits["validation"]
+  if len(val_y):
+    val = evaluation.run(run.sess, run.g.eval, val_x, val_y)
+    row.update(val_loss=val["loss"], val_accuracy=val["accuracy"],
+               val_error_percent=val["error_percent"])
+    print(f"epoch {row['epoch']}: validation accuracy {val['accuracy']:.4f} "
+          f"(error {val['error_percent']:.2f}%), loss {val['loss']:.4f}"
+          + (f", {row['images_per_sec']} images/s" if "images_per_sec" in row else ""))
+    add_scalars(run.writer, pos.step, {"validation/accuracy": val["accuracy"],
+                                       "validation/loss": val["loss"]})
+  if not len(val_y) or val["accuracy"] > pos.best_val:
+    pos.best_val = val["accuracy"] if len(val_y) else pos.best_val
+    run.g.state.save(run.sess, run.g.saver_best, _folder(run.s, "best"), pos)
+  files.append_jsonl(os.path.join(run.s.logdir, "metrics.jsonl"), row)
+
+
+def final_test(run):
+  """Scores the best checkpoint on the test set once: test_results.json."""
+  best = tf.train.latest_checkpoint(_folder(run.s, "best"))
+  if best is None:
+    print("No completed epoch yet: no best checkpoint to test")
+    return
+  run.g.saver_best.restore(run.sess, best)
+  test = evaluation.run(run.sess, run.g.eval, *run.splits["test"])
+  result = dict(evaluation.summary(test), checkpoint=best, split="test")
+  files.write_json(os.path.join(run.s.logdir, "test_results.json"), result)
+  print(f"test ({best}): accuracy {test['accuracy']:.4f}, error "
+        f"{test['error_percent']:.2f}% on {test['count']} images")
 
 
 def add_scalars(writer, step, values):
@@ -341,13 +492,15 @@ def add_scalars(writer, step, values):
   writer.add_summary(summary, step)
 
 
-def record_diagnostic(sess, g, writer, step, epoch, examples, steps_per_epoch):
+def record_diagnostic(run, pos):
   """||g_full - g_stop|| / ||g_full|| on the fixed batch, to diagnostics.jsonl."""
-  values = {k: float(v) for k, v in sess.run(g.diag).items()}
-  add_scalars(writer, step, {f"grad_through_routing/{k}": v for k, v in values.items()})
-  row = {"step": step, "epoch": round(epoch + examples / (steps_per_epoch * FLAGS.batch_size), 3)}
+  values = {k: float(v) for k, v in run.sess.run(run.g.diag).items()}
+  add_scalars(run.writer, pos.step,
+              {f"grad_through_routing/{k}": v for k, v in values.items()})
+  epoch_images = steps_per_epoch(run) * run.s.batch_size
+  row = {"step": pos.step, "epoch": round(pos.epoch + pos.examples / epoch_images, 3)}
   row.update(values)
-  files.append_jsonl(os.path.join(FLAGS.logdir, "diagnostics.jsonl"), row)
+  files.append_jsonl(os.path.join(run.s.logdir, "diagnostics.jsonl"), row)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ its round). `tiled` is the naive baseline: W and u tiled over the batch and
 routing as the well-known TF1 reference does it (`tiled_digit_caps`), with
 TensorFlow's own convolution gradients.
 """
+import dataclasses
 import multiprocessing
 import os
 import resource
@@ -71,70 +72,61 @@ def flops_per_image(cfg, train):
   return 2 * conv1 + 3 * rest if train else conv1 + rest
 
 
-def tiled_digit_caps(u, cfg, compute_dtype):
+def tiled_digit_caps(u, out_caps, out_dim, num_iters, stop_gradient):
   """Baseline DigitCaps: W and u tiled over the batch, routing as in the TF1
   reference (its `routing()` in capsLayer.py): `s_j` by broadcast multiply
   and reduce, the agreement by tiling `v_j` over the input capsules and a
   batched [16, 1]^T [16, 1] matmul. Logits are per example, as in our model
   (the reference sums them over the batch), and the inner iterations read a
-  stopped `u_hat` when `cfg.stop_gradient`.
+  stopped `u_hat` when `stop_gradient`.
 
-  Same math and variable as `layers.digit_caps` (W [in_caps, out_caps, in_dim,
-  out_dim]). Returns v [b, o, d].
+  The signature, results and variable of `layers.digit_caps` (W [in_caps,
+  out_caps, in_dim, out_dim]), so that `model.forward` takes it in place of
+  ours and the rest of the model (losses, decoder) is the same.
   """
   import tensorflow as tf
   from capsnet import routing
   with tf.compat.v1.variable_scope("digit_caps"):
+    in_caps, in_dim = u.shape[1], u.shape[2]
     w = tf.compat.v1.get_variable(
-        "weights", [cfg.in_caps, cfg.num_classes, cfg.primary_dim, cfg.digit_dim],
-        u.dtype, tf.compat.v1.random_normal_initializer(stddev=0.01))
+        "weights", [in_caps, out_caps, in_dim, out_dim], u.dtype,
+        tf.compat.v1.random_normal_initializer(stddev=0.01))
     batch = tf.shape(u)[0]
     w_tiled = tf.tile(w[None], [batch, 1, 1, 1, 1])            # [b, i, o, k, d]
-    u_tiled = tf.tile(u[:, :, None, :, None], [1, 1, cfg.num_classes, 1, 1])
-    cast = (lambda x: tf.cast(x, compute_dtype)) if compute_dtype else (lambda x: x)
-    u_hat = tf.matmul(cast(w_tiled), cast(u_tiled), transpose_a=True)  # [b, i, o, d, 1]
-    u_hat = tf.cast(u_hat, u.dtype)
-    u_hat_stopped = tf.stop_gradient(u_hat) if cfg.stop_gradient else u_hat
+    u_tiled = tf.tile(u[:, :, None, :, None], [1, 1, out_caps, 1, 1])
+    u_hat = tf.matmul(w_tiled, u_tiled, transpose_a=True)      # [b, i, o, d, 1]
+    u_hat_stopped = tf.stop_gradient(u_hat) if stop_gradient else u_hat
     b = tf.zeros_like(u_hat[:, :, :, :1, :])                    # [b, i, o, 1, 1]
-    for r in range(cfg.iter_routing):
+    couplings = []
+    for r in range(num_iters):
       c = tf.nn.softmax(b, axis=2)
-      last = r == cfg.iter_routing - 1
+      couplings.append(c[:, :, :, 0, 0])
+      last = r == num_iters - 1
       uh = u_hat if last else u_hat_stopped
       s = tf.reduce_sum(c * uh, axis=1, keepdims=True)          # [b, 1, o, d, 1]
       v = routing.squash(s, axis=3)
       if not last:
-        v_tiled = tf.tile(v, [1, cfg.in_caps, 1, 1, 1])         # [b, i, o, d, 1]
+        v_tiled = tf.tile(v, [1, in_caps, 1, 1, 1])             # [b, i, o, d, 1]
         b += tf.matmul(uh, v_tiled, transpose_a=True)           # [b, i, o, 1, 1]
-    return tf.squeeze(v, [1, 4])
+    return tf.squeeze(v, [1, 4]), couplings, u_hat[..., 0]
 
 
 def _build(variant, cfg, images, labels, train):
-  """The step op: a train op, or the inference predictions."""
+  """The step op: a train op, or the inference predictions. The baseline is
+  the same model (losses, decoder, config) with `tiled_digit_caps` and
+  TensorFlow's own convolution gradients."""
   import tensorflow as tf
-  from capsnet import layers, losses, model, routing
+  from capsnet import model
   if variant == "ours":
     out = model.forward(images, labels, cfg, training=train)
-    loss, predictions = out.loss, out.predictions
   else:
-    compute = tf.bfloat16 if cfg.precision == "bf16" else None
-    with tf.compat.v1.variable_scope("capsnet"):
-      x = layers.conv1(images, cfg.conv1_channels, cfg.conv1_kernel, compute,
-                       conv_impl="conv2d")
-      u = layers.primary_caps(x, cfg.primary_types, cfg.primary_dim,
-                              cfg.primary_kernel, cfg.primary_stride, compute,
-                              conv_impl="conv2d")
-      v = tiled_digit_caps(u, cfg, compute)
-      lengths = routing.safe_norm(v)
-      predictions = tf.argmax(lengths, 1)
-      mask = tf.one_hot(labels if train else predictions, cfg.num_classes)
-      caps = tf.reshape(v * mask[..., None], [-1, cfg.num_classes * cfg.digit_dim])
-      recon = layers.decoder(caps, cfg.decoder_units, cfg.num_pixels, compute)
-      loss = tf.reduce_mean(losses.margin_loss(lengths, labels)
-                            + losses.reconstruction_loss(recon, images))
+    baseline = dataclasses.replace(cfg, conv_impl="conv2d")
+    out = model.forward(images, labels, baseline, training=train,
+                        digit_caps=tiled_digit_caps)
   if not train:
-    return predictions
+    return out.predictions
   opt = tf.compat.v1.train.AdamOptimizer(1e-3)
-  return opt.minimize(loss)
+  return opt.minimize(out.loss)
 
 
 def _step_graph(variant, precision, mode, settings):
@@ -252,14 +244,13 @@ def _measure_input(settings, queue, n=55000, batches=200):
   labels = rng.randint(0, 10, n).astype(np.int32)
   batch = settings["batch_size"]
   with tf.Graph().as_default():
-    x = tf.compat.v1.placeholder(tf.uint8, [None, 28, 28, 1])
-    y = tf.compat.v1.placeholder(tf.int32, [None])
-    ds = data.make_dataset(x, y, batch, augment=True, seed=1, drop_remainder=True)
-    it = tf.compat.v1.data.make_initializable_iterator(ds)
-    nxt = it.get_next()
+    pipe = data.fed_pipeline([28, 28, 1], batch, augment=True, drop_remainder=True)
+    nxt = pipe.batch
     with tf.compat.v1.Session() as sess:
       order = data.epoch_order(n, 0, 0)
-      sess.run(it.initializer, {x: images[order], y: labels[order]})
+      sess.run(pipe.iterator.initializer, {
+          pipe.images: images[order], pipe.labels: labels[order], pipe.seed: 1,
+          pipe.first_batch: 0})
       for _ in range(10):
         sess.run(nxt)
       t = time.perf_counter()

@@ -21,16 +21,12 @@ def build(cfg, batch_size, device=None):
   Returns: an `EvalGraph`; `images`/`labels` are the placeholders to feed at
   `iterator.initializer`, `batch_images` the current batch's images.
   """
-  shape = [None, cfg.image_size, cfg.image_size, cfg.image_channels]
-  with tf.device("/cpu:0"), tf.name_scope("eval_input"):
-    images = tf.compat.v1.placeholder(tf.uint8, shape, name="images")
-    labels = tf.compat.v1.placeholder(tf.int32, [None], name="labels")
-    ds = data.make_dataset(images, labels, batch_size)
-    iterator = tf.compat.v1.data.make_initializable_iterator(ds)
-    batch_images, batch_labels = iterator.get_next()
+  pipe = data.fed_pipeline([cfg.image_size, cfg.image_size, cfg.image_channels],
+                           batch_size, name="eval_input")
+  batch_images, batch_labels = pipe.batch
   with tf.compat.v1.device(device), tf.name_scope("eval"):
     outputs = model.forward(batch_images, batch_labels, cfg, training=False)
-  return EvalGraph(images, labels, iterator, outputs, batch_images)
+  return EvalGraph(pipe.images, pipe.labels, pipe.iterator, outputs, batch_images)
 
 
 def run(sess, graph, images, labels):

@@ -6,6 +6,7 @@ are checked by size and, once, by md5 (the result is cached in
 fetched from public mirrors in order, written to a temporary file and renamed
 only after the md5 matches, so a failed download never leaves a file behind.
 """
+import collections
 import gzip
 import hashlib
 import json
@@ -313,3 +314,42 @@ def make_dataset(images, labels, batch_size, augment=False, seed=0,
   options = tf.data.Options()
   options.autotune.enabled = False
   return ds.prefetch(prefetch).with_options(options)
+
+
+Pipeline = collections.namedtuple("Pipeline", [
+    "images",       # uint8 placeholder [n, rows, cols, channels], fed at init
+    "labels",       # int32 placeholder [n]
+    "seed",         # int64 placeholder: augmentation seed (None without)
+    "first_batch",  # int64 placeholder: index of the first batch (None without)
+    "iterator",     # run iterator.initializer with the placeholders fed
+    "batch",        # (images [batch, ...] float32 in [0, 1], labels [batch])
+])
+
+
+def fed_pipeline(image_shape, batch_size, augment=False, drop_remainder=False,
+                 name="input"):
+  """Placeholders for one split's arrays and the batches over them, on the CPU.
+
+  The arrays are fed when `iterator.initializer` runs, so one graph serves
+  every split and every epoch's order (`make_dataset`).
+
+  Args:
+    image_shape: `[rows, cols, channels]`.
+    augment: shift augmentation; adds the `seed` and `first_batch`
+      placeholders, to be fed with the arrays.
+    name: the name scope.
+  Returns: a `Pipeline`.
+  """
+  with tf.device("/cpu:0"), tf.name_scope(name):
+    images = tf.compat.v1.placeholder(tf.uint8, [None, *image_shape], name="images")
+    labels = tf.compat.v1.placeholder(tf.int32, [None], name="labels")
+    seed = first_batch = None
+    if augment:
+      seed = tf.compat.v1.placeholder(tf.int64, [], name="seed")
+      first_batch = tf.compat.v1.placeholder(tf.int64, [], name="first_batch")
+    ds = make_dataset(images, labels, batch_size, augment=augment,
+                      seed=0 if seed is None else seed, drop_remainder=drop_remainder,
+                      first_batch=0 if first_batch is None else first_batch)
+    iterator = tf.compat.v1.data.make_initializable_iterator(ds)
+    batch = iterator.get_next()
+  return Pipeline(images, labels, seed, first_batch, iterator, batch)

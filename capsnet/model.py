@@ -98,12 +98,13 @@ class ModelConfig:
 
 
 Outputs = collections.namedtuple("Outputs", [
+    "u",                # [batch, in_caps, primary_dim] primary capsules
+    "u_hat",            # [batch, in_caps, num_classes, digit_dim] predictions
+    "couplings",        # iter_routing x [batch, in_caps, num_classes], first first
     "v",                # [batch, num_classes, digit_dim] DigitCaps
     "lengths",          # [batch, num_classes] capsule lengths
     "predictions",      # [batch] int32 argmax of lengths
     "reconstructions",  # [batch, num_pixels] decoder output, or None
-    "c",                # [batch, in_caps, num_classes] last coupling coeffs
-    "u_hat",            # [batch, in_caps, num_classes, digit_dim]
     "margin_loss",      # [batch]
     "recon_loss",       # [batch] (zeros without decoder)
     "loss",             # scalar: batch mean of margin + reconstruction
@@ -111,7 +112,7 @@ Outputs = collections.namedtuple("Outputs", [
 ])
 
 
-def forward(images, labels, cfg, training):
+def forward(images, labels, cfg, training, digit_caps=layers.digit_caps):
   """Builds CapsNet on `images` in variable scope `capsnet` (AUTO_REUSE).
 
   Calling it again (another tower, an eval graph) reuses the same variables.
@@ -122,6 +123,8 @@ def forward(images, labels, cfg, training):
     cfg: a `ModelConfig`.
     training: if True the decoder sees the capsules masked by the true label,
       otherwise by the predicted class.
+    digit_caps: the DigitCaps layer, with the signature and results of
+      `layers.digit_caps` (the benchmark passes its naive baseline).
   Returns: an `Outputs` tuple.
   Raises:
     ValueError: if `images` does not have the configured shape.
@@ -131,7 +134,7 @@ def forward(images, labels, cfg, training):
     raise ValueError(f"forward: images must be [batch, {expected[0]}, "
                      f"{expected[1]}, {expected[2]}], got shape {images.shape}")
   dtype = tf.as_dtype(cfg.dtype)
-  compute = tf.bfloat16 if cfg.precision == "bf16" else None
+  compute = _compute_dtype(cfg)
   images = tf.cast(images, dtype)
   labels = tf.cast(labels, tf.int32)
   with tf.compat.v1.variable_scope("capsnet", reuse=tf.compat.v1.AUTO_REUSE):
@@ -140,17 +143,14 @@ def forward(images, labels, cfg, training):
     u = layers.primary_caps(x, cfg.primary_types, cfg.primary_dim,
                             cfg.primary_kernel, cfg.primary_stride, compute,
                             cfg.conv_impl)            # [b, i, k]
-    v, c, u_hat = layers.digit_caps(u, cfg.num_classes, cfg.digit_dim,
-                                    cfg.iter_routing, cfg.stop_gradient)
+    v, couplings, u_hat = digit_caps(u, cfg.num_classes, cfg.digit_dim,
+                                     cfg.iter_routing, cfg.stop_gradient)
     lengths = routing.safe_norm(v)                   # [b, o]
     predictions = tf.argmax(lengths, axis=1, output_type=tf.int32)
     margin = losses.margin_loss(lengths, labels, cfg.m_plus, cfg.m_minus,
                                 cfg.down_weight)
     if cfg.use_decoder:
-      mask = tf.one_hot(labels if training else predictions, cfg.num_classes,
-                        dtype=dtype)                  # [b, o]
-      masked = tf.reshape(v * mask[..., None], [-1, cfg.num_classes * cfg.digit_dim])
-      recon = layers.decoder(masked, cfg.decoder_units, cfg.num_pixels, compute)
+      recon = _masked_decoder(v, labels if training else predictions, cfg)
       recon_loss = losses.reconstruction_loss(recon, images, cfg.recon_weight)
     else:
       recon = None
@@ -158,8 +158,38 @@ def forward(images, labels, cfg, training):
     loss = tf.reduce_mean(margin + recon_loss, name="loss")
     accuracy = tf.reduce_mean(
         tf.cast(tf.equal(predictions, labels), dtype), name="accuracy")
-  return Outputs(v, lengths, predictions, recon, c, u_hat, margin, recon_loss,
-                 loss, accuracy)
+  return Outputs(u, u_hat, list(couplings), v, lengths, predictions, recon,
+                 margin, recon_loss, loss, accuracy)
+
+
+def decode(v, classes, cfg):
+  """The decoder's image of capsule `classes[n]` of `v[n]`, the others masked.
+
+  Builds on the variables of `forward` (scope `capsnet`); with `v` fed
+  freely it draws perturbed capsules (Figure 4 of the paper).
+
+  Args:
+    v: `[batch, num_classes, digit_dim]` digit capsules.
+    classes: `[batch]` int, the capsule to keep.
+  Returns: `[batch, num_pixels]` in (0, 1).
+  Raises:
+    ValueError: a config without the decoder.
+  """
+  if not cfg.use_decoder:
+    raise ValueError("decode: the config has use_decoder=False")
+  with tf.compat.v1.variable_scope("capsnet", reuse=tf.compat.v1.AUTO_REUSE):
+    return _masked_decoder(v, tf.cast(classes, tf.int32), cfg)
+
+
+def _masked_decoder(v, classes, cfg):
+  mask = tf.one_hot(classes, cfg.num_classes, dtype=v.dtype)   # [b, o]
+  masked = tf.reshape(v * mask[..., None], [-1, cfg.num_classes * cfg.digit_dim])
+  return layers.decoder(masked, cfg.decoder_units, cfg.num_pixels,
+                        _compute_dtype(cfg))
+
+
+def _compute_dtype(cfg):
+  return tf.bfloat16 if cfg.precision == "bf16" else None
 
 
 def _variable_device(variable_device, compute_device):
@@ -223,17 +253,6 @@ def average_gradients(tower_grads):
     mean = tf.add_n(grads) / float(len(grads)) if grads else None
     averaged.append((mean, pairs[0][1]))
   return averaged
-
-
-def coupling_per_iteration(outputs, num_iters):
-  """The coupling coefficients of each routing iteration of a built model.
-
-  Returns: list of `[batch, in_caps, out_caps]` tensors, iteration 0 first.
-  """
-  scope = outputs.u_hat.name.rsplit("/", 1)[0] + "/routing"
-  graph = outputs.u_hat.graph
-  return [graph.get_tensor_by_name(f"{scope}/iter_{r}/c:0")
-          for r in range(num_iters)]
 
 
 def routing_entropy(c):

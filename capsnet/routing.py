@@ -62,8 +62,9 @@ def dynamic_routing(u_hat, num_iters, stop_gradient=True):
     stop_gradient: whether the inner iterations read a stopped `u_hat`.
   Returns:
     v: `[batch, out_caps, out_dim]` output capsules (squashed).
-    c: `[batch, in_caps, out_caps]` coupling coefficients of the last
-      iteration; they sum to 1 over `out_caps`.
+    couplings: `num_iters` tensors `[batch, in_caps, out_caps]`, the coupling
+      coefficients of each iteration, the first one first; each sums to 1
+      over `out_caps`.
   Raises:
     ValueError: if `u_hat` is not rank 4 or `num_iters < 1`.
   """
@@ -80,11 +81,13 @@ def dynamic_routing(u_hat, num_iters, stop_gradient=True):
     u_stopped = (tf.reshape(tf.stop_gradient(u_hat), flat, name="u_hat_stopped_flat")
                  if stop_gradient else u_live)
     b = tf.zeros_like(u_hat[..., 0])                    # [b, i, o]
+    couplings = []
     for r in range(num_iters):
       with tf.compat.v1.variable_scope(f"iter_{r}"):
         last = r == num_iters - 1
         u = u_live if last else u_stopped
         c = tf.nn.softmax(b, axis=2, name="c")          # [b, i, o]
+        couplings.append(c)
         pairs = tf.matmul(c, u, transpose_a=True)       # [b, o, o*d]
         pairs = tf.reshape(pairs, [-1, out_caps, out_caps, out_dim])
         s = tf.reduce_sum(pairs * eye[:, :, None], axis=2, name="s")  # [b, o, d]
@@ -93,4 +96,4 @@ def dynamic_routing(u_hat, num_iters, stop_gradient=True):
           v_block = tf.reshape(v[:, :, :, None] * eye[:, None, :],
                                [-1, out_caps * out_dim, out_caps])  # [b, o*d, o]
           b = tf.add(b, tf.matmul(u, v_block), name="b")  # [b, i, o]
-    return v, c
+    return v, couplings

@@ -1,5 +1,8 @@
-"""Shared fixtures: graph mode once, a tiny float64 config."""
+"""Shared fixtures and helpers: graph mode once, a tiny float64 config, the
+small model's command-line flags and a runner for train.py / eval.py."""
+import glob
 import os
+import subprocess
 import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -23,3 +26,29 @@ TINY = dict(image_size=12, conv1_channels=4, conv1_kernel=3, primary_types=2,
 @pytest.fixture
 def tiny_cfg():
   return model.ModelConfig(**TINY)
+
+
+MNIST = os.path.join(ROOT, "data", "mnist")
+needs_mnist = pytest.mark.skipif(
+    not os.path.isdir(MNIST) or len(glob.glob(os.path.join(MNIST, "*.gz"))) < 4,
+    reason=f"real MNIST files not in {MNIST} (.ci/run seeds them)")
+
+# A small CapsNet for command-line tests: 16 Conv1 channels, 4 primary types.
+SMALL = ["--conv1_channels=16", "--primary_types=4", "--primary_dim=4",
+         "--digit_dim=8", "--decoder_units=32", "--batch_size=32",
+         "--val_size=500", "--eval_batch_size=300", "--progress=false",
+         f"--data_dir={MNIST}", "--download=false"]
+
+
+def cli(script, *args, timeout=300, **kwargs):
+  """Runs `python <script> <args>` from the repository root; returns the
+  CompletedProcess (text stdout and stderr)."""
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=ROOT)
+  return subprocess.run([sys.executable, os.path.join(ROOT, script), *args],
+                        capture_output=True, text=True, timeout=timeout, env=env,
+                        cwd=ROOT, **kwargs)
+
+
+def last_line(proc):
+  lines = [l for l in proc.stderr.strip().splitlines() if l.strip()]
+  return lines[-1] if lines else ""

@@ -32,7 +32,8 @@ def test_flops_per_image_paper_model():
 
 @pytest.mark.parametrize("iters,stop", [(1, True), (3, True), (3, False)])
 def test_tiled_baseline_computes_the_same_capsules(tiny_cfg, iters, stop):
-  """Same W and u: the baseline's v and its gradient equal ours."""
+  """Same W and u: the baseline's v, coefficients, predictions and the
+  gradient equal ours."""
   cfg = dataclasses.replace(tiny_cfg, iter_routing=iters, stop_gradient=stop)
   rng = np.random.RandomState(0)
   u0 = rng.randn(3, cfg.in_caps, cfg.primary_dim) * 0.5        # float64
@@ -41,14 +42,13 @@ def test_tiled_baseline_computes_the_same_capsules(tiny_cfg, iters, stop):
   for variant in ("ours", "tiled"):
     with tf.Graph().as_default(), tf.compat.v1.Session() as sess:
       u = tf.constant(u0)
-      if variant == "ours":
-        v = layers.digit_caps(u, cfg.num_classes, cfg.digit_dim, iters, stop)[0]
-      else:
-        v = bench.tiled_digit_caps(u, cfg, None)
+      layer = layers.digit_caps if variant == "ours" else bench.tiled_digit_caps
+      v, couplings, u_hat = layer(u, cfg.num_classes, cfg.digit_dim, iters, stop)
       w = tf.compat.v1.global_variables()[0]
       w.load(w0, sess)
       grad = tf.gradients(tf.reduce_sum(v * np.arange(v.shape[-1])), [w, u])
-      out[variant] = sess.run([v] + grad)
+      out[variant] = sess.run([v, u_hat, *couplings, *grad])
+  assert len(out["ours"]) == 4 + iters
   for a, b in zip(out["ours"], out["tiled"]):
     np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
 
@@ -66,20 +66,40 @@ def test_cli_rejects_unknown_precision():
 
 
 def test_cli_small_run_writes_json(tmp_path):
-  """One round, tiny batch: the report's structure and its ratios."""
+  """One round, tiny batch: the report's figures and how they relate."""
   path = tmp_path / "bench.json"
-  proc = _bench("--batch_size=4", "--steps=1", "--warmup=0", "--rounds=2",
+  proc = _bench("--batch_size=4", "--steps=1", "--warmup=0", "--rounds=1",
                 "--modes=infer", "--precision=fp32", f"--json={path}")
   assert proc.returncode == 0, proc.stderr[-2000:]
   report = json.loads(path.read_text())
-  assert report["settings"]["rounds"] == 2 and len(report["rounds"]) == 2
+  assert report["settings"]["rounds"] == 1 and len(report["rounds"]) == 1
   assert {(r["variant"], r["mode"]) for r in report["results"]} == {
       ("ours", "infer"), ("tiled", "infer")}
+  peak = report["matmul_peak_gflops"]["fp32"]
   for r in report["results"]:
-    assert r["images_per_sec"] > 0 and 0 < r["fraction_of_fp32_peak"] < 2
-  per_round = [rnd["ratios"]["infer_fp32_ours_over_tiled"] for rnd in report["rounds"]]
-  assert report["ratios"]["infer_fp32_ours_over_tiled"] == pytest.approx(np.median(per_round))
-  assert "median of 2 round(s)" in proc.stdout
+    assert r["images_per_sec"] == pytest.approx(4 / (r["step_ms"] / 1000))
+    assert r["gflops"] == pytest.approx(r["gflop_per_image"] * r["images_per_sec"])
+    assert r["fraction_of_fp32_peak"] == pytest.approx(r["gflops"] / peak)
+    assert r["gflop_per_image"] == pytest.approx(
+        bench.flops_per_image(model.ModelConfig(), train=False) / 1e9)
+  by = {r["variant"]: r["images_per_sec"] for r in report["results"]}
+  assert report["ratios"]["infer_fp32_ours_over_tiled"] == pytest.approx(
+      by["ours"] / by["tiled"])
+  assert "median of 1 round(s)" in proc.stdout
+
+
+def test_summary_takes_medians_over_rounds():
+  def one(speed, peak, rss, ratio):
+    return {"matmul_peak_gflops": {"fp32": peak},
+            "results": [{"mode": "train", "precision": "fp32", "variant": "ours",
+                         "images_per_sec": speed, "peak_rss_mib": rss, "steps": 12}],
+            "ratios": {"train_fp32_ours_over_tiled": ratio}}
+  summary = bench.summarize([one(100.0, 300.0, 900.0, 2.0), one(130.0, 320.0, 1000.0, 2.4),
+                             one(110.0, 290.0, 950.0, 2.1)])
+  (r,) = summary["results"]
+  assert (r["images_per_sec"], r["peak_rss_mib"], r["steps"]) == (110.0, 1000.0, 12)
+  assert summary["matmul_peak_gflops"] == {"fp32": 300.0}
+  assert summary["ratios"] == {"train_fp32_ours_over_tiled": 2.1}
 
 
 def test_cli_profile_books_the_step_by_layer(tmp_path):

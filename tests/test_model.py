@@ -28,7 +28,8 @@ def test_paper_shapes_and_derived_sizes():
                         cfg, training=False)
     assert out.u_hat.shape.as_list() == [2, 1152, 10, 16]
     assert out.v.shape.as_list() == [2, 10, 16]
-    assert out.c.shape.as_list() == [2, 1152, 10]
+    assert [c.shape.as_list() for c in out.couplings] == [[2, 1152, 10]] * 3
+    assert out.u.shape.as_list() == [2, 1152, 8]
     assert out.reconstructions.shape.as_list() == [2, 784]
     w = [v for v in tf.compat.v1.global_variables() if "digit_caps" in v.name]
     assert [v.shape.as_list() for v in w] == [[1152, 10, 8, 16]]
@@ -154,39 +155,6 @@ def test_custom_grad_convolution_equals_conv2d(size, kernel, stride):
     np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("size,kernel,stride", [(10, 3, 2), (20, 9, 2), (11, 4, 3),
-                                                (13, 5, 3)])
-@pytest.mark.parametrize("input_grad", ["phases", "folded_phases", "dilated"])
-@pytest.mark.parametrize("forward", ["conv2d", "folded"])
-def test_strided_conv_methods_equal_conv2d(size, kernel, stride, input_grad, forward):
-  """Every forward and input-gradient method (float64), whatever the dtype
-  default, with a batch fed at run time that is not a multiple of the fold
-  (5 images, fold 4) and sizes that are not multiples of the stride."""
-  rng = np.random.RandomState(1)
-  out_h, out_w = (size - kernel) // stride + 1, (size + 1 - kernel) // stride + 1
-  x, w = rng.randn(5, size, size + 1, 3), rng.randn(kernel, kernel, 3, 4)
-  up = rng.randn(5, out_h, out_w, 4)
-  with tf.Graph().as_default(), tf.compat.v1.Session() as sess:
-    xt = tf.compat.v1.placeholder(tf.float64, [None, size, size + 1, 3])
-    wt = tf.constant(w)
-    y = layers._strided_conv(xt, wt, stride, input_grad, forward)
-    ref = tf.nn.conv2d(xt, wt, strides=stride, padding="VALID")
-    grads = tf.gradients(y, [xt, wt], grad_ys=tf.constant(up))
-    ref_grads = tf.gradients(ref, [xt, wt], grad_ys=tf.constant(up))
-    ours, theirs = sess.run([[y] + grads, [ref] + ref_grads], {xt: x})
-  assert ours[0].shape == (5, out_h, out_w, 4)
-  for a, b in zip(theirs, ours):
-    np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
-
-
-def test_strided_conv_rejects_unknown_methods():
-  x, w = tf.zeros([1, 10, 10, 3]), tf.zeros([3, 3, 3, 4])
-  with pytest.raises(ValueError, match="input_grad must be .* got 'direct'"):
-    layers._strided_conv(x, w, 2, input_grad="direct")
-  with pytest.raises(ValueError, match="forward must be 'conv2d' or 'folded', got 'gemm'"):
-    layers._strided_conv(x, w, 2, forward="gemm")
-
-
 def test_bf16_and_fp32_predictions_agree():
   """Paper model, fixed weights and batch: bf16 within bf16 tolerance."""
   rng = np.random.RandomState(0)
@@ -210,38 +178,3 @@ def test_bf16_and_fp32_predictions_agree():
   np.testing.assert_allclose(lengths16, lengths32, atol=0.02)
   np.testing.assert_array_equal(preds16, preds32)
   assert np.abs(lengths16 - lengths32).max() > 0   # bf16 really ran
-
-
-@pytest.mark.parametrize("channels,relu", [(1, True), (3, False)])
-def test_patch_grad_convolution_equals_conv2d(channels, relu):
-  """The patches-GEMM gradients of a stride-1 conv + bias (+ ReLU), float64:
-  value, input, filter and bias gradients equal TensorFlow's."""
-  rng = np.random.RandomState(0)
-  x, w, b = rng.randn(2, 9, 8, channels), rng.randn(4, 3, channels, 5), rng.randn(5)
-  up = rng.randn(2, 6, 6, 5)
-  results = {}
-  for impl in ("tensorflow", "patch"):
-    with tf.Graph().as_default(), tf.compat.v1.Session() as sess:
-      xt, wt, bt = tf.constant(x), tf.constant(w), tf.constant(b)
-      if impl == "patch":
-        y = layers._patch_grad_conv(xt, wt, bt, relu)
-      else:
-        y = tf.nn.bias_add(tf.nn.conv2d(xt, wt, 1, "VALID"), bt)
-        y = tf.nn.relu(y) if relu else y
-      grads = tf.gradients(y, [xt, wt, bt], grad_ys=tf.constant(up))
-      results[impl] = sess.run([y] + grads)
-  assert results["patch"][0].shape == (2, 6, 6, 5)
-  assert (results["tensorflow"][0] == 0).any() == relu   # the ReLU does cut
-  for a, b_ in zip(results["tensorflow"], results["patch"]):
-    np.testing.assert_allclose(a, b_, rtol=1e-10, atol=1e-12)
-
-
-@pytest.mark.parametrize("in_ch,patch_gemm", [(1, True), (3, True), (64, False)])
-def test_stride_one_conv_uses_the_patch_gemm_only_for_small_patches(in_ch, patch_gemm):
-  """A 3x3 conv over 64 channels (576 taps) keeps TensorFlow's gradient: the
-  one-hot patches would cost 576^2 multiply-adds per position."""
-  with tf.Graph().as_default() as graph:
-    with tf.compat.v1.variable_scope("c"):
-      layers._conv(tf.zeros([2, 6, 6, in_ch]), 3, 4, 1, None, "custom_grad")
-    custom = [op for op in graph.get_operations() if op.type == "IdentityN"]
-    assert bool(custom) == patch_gemm

@@ -49,20 +49,23 @@ def test_squash_gradient_matches_finite_differences():
 def test_coupling_coefficients_sum_to_one_over_out_caps(iters):
   u_hat = np.random.RandomState(0).randn(4, 6, 3, 2)   # [b, i, o, d]
   with tf.Graph().as_default():
-    v, c = routing.dynamic_routing(tf.constant(u_hat), iters)
-    v_val, c_val = run([v, c])
-  assert c_val.shape == (4, 6, 3)                      # [b, i, o]
-  assert v_val.shape == (4, 3, 2)
-  np.testing.assert_allclose(c_val.sum(axis=2), 1.0, atol=1e-12)
+    v, couplings = routing.dynamic_routing(tf.constant(u_hat), iters)
+    v_val, cs = run([v, couplings])
+  assert len(cs) == iters and v_val.shape == (4, 3, 2)
+  for r, c_val in enumerate(cs):
+    assert c_val.shape == (4, 6, 3)                    # [b, i, o]
+    np.testing.assert_allclose(c_val.sum(axis=2), 1.0, atol=1e-12)
+  np.testing.assert_allclose(cs[0], 1.0 / 3, rtol=1e-12)   # b starts at zero
   if iters > 1:   # routing moved c away from uniform
-    assert np.abs(c_val - 1.0 / 3).max() > 1e-3
+    assert np.abs(cs[-1] - 1.0 / 3).max() > 1e-3
 
 
 def test_routing_is_per_example():
   u_hat = np.random.RandomState(0).randn(4, 6, 3, 2) * 2
   with tf.Graph().as_default():
     x = tf.compat.v1.placeholder(tf.float64, [None, 6, 3, 2])
-    v, c = routing.dynamic_routing(x, 3)
+    v, couplings = routing.dynamic_routing(x, 3)
+    c = couplings[-1]
     v4, c4 = run([v, c], {x: u_hat})
     v1, c1 = run([v, c], {x: u_hat[:1]})
   np.testing.assert_allclose(v4[:1], v1, rtol=1e-12)
@@ -73,8 +76,8 @@ def test_routing_is_per_example():
 def test_one_iteration_is_squash_of_the_mean_over_out_caps():
   u_hat = np.random.RandomState(2).randn(2, 5, 3, 4)   # [b, i, o, d]
   with tf.Graph().as_default():
-    v, c = routing.dynamic_routing(tf.constant(u_hat), 1)
-    v_val, c_val = run([v, c])
+    v, couplings = routing.dynamic_routing(tf.constant(u_hat), 1)
+    v_val, c_val = run([v, couplings[0]])
   expected = np_squash(u_hat.sum(axis=1) / 3)           # uniform c = 1/out_caps
   np.testing.assert_allclose(v_val, expected, rtol=1e-9)
   np.testing.assert_allclose(c_val, 1.0 / 3)
@@ -83,15 +86,18 @@ def test_one_iteration_is_squash_of_the_mean_over_out_caps():
 def test_two_iterations_match_numpy_procedure_1():
   u_hat = np.random.RandomState(3).randn(2, 5, 3, 4)   # [b, i, o, d]
   b = np.zeros([2, 5, 3])
+  cs = []
   for r in range(3):
     c = np.exp(b) / np.exp(b).sum(axis=2, keepdims=True)
+    cs.append(c)
     v = np_squash(np.einsum("bio,biod->bod", c, u_hat))
     if r < 2:
       b = b + np.einsum("biod,bod->bio", u_hat, v)
   with tf.Graph().as_default():
-    v_tf, c_tf = run(routing.dynamic_routing(tf.constant(u_hat), 3))
+    v_tf, cs_tf = run(routing.dynamic_routing(tf.constant(u_hat), 3))
   np.testing.assert_allclose(v_tf, v, rtol=1e-9)
-  np.testing.assert_allclose(c_tf, c, rtol=1e-9)
+  for c_tf, c in zip(cs_tf, cs):
+    np.testing.assert_allclose(c_tf, c, rtol=1e-9)
 
 
 def test_bad_inputs_raise():

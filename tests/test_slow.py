@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from test_train import MNIST, cli, needs_mnist
+from conftest import MNIST, cli, needs_mnist
 
 
 @pytest.mark.slow

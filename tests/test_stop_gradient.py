@@ -41,11 +41,8 @@ def _init_random(sess, seed=1, scale=0.3):
 
 
 def _grads(out):
-  graph = tf.compat.v1.get_default_graph()
   var = {v.op.name: v for v in tf.compat.v1.global_variables()}
-  primary = graph.get_tensor_by_name(
-      out.u_hat.name.replace("digit_caps/u_hat:0", "primary_caps/squash/mul_1:0"))
-  targets = [var[n] for n in GRAD_VARS] + [primary]
+  targets = [var[n] for n in GRAD_VARS] + [out.u]
   return tf.gradients(out.loss, targets)
 
 
@@ -53,7 +50,7 @@ def _grads(out):
 def test_forward_identical_with_and_without_stop(tiny_cfg, iters):
   with tf.Graph().as_default():
     outs = _two_mode_graph(tiny_cfg, iters)
-    fetch = lambda o: [o.v, o.c, o.lengths, o.margin_loss, o.recon_loss,
+    fetch = lambda o: [o.v, *o.couplings, o.lengths, o.margin_loss, o.recon_loss,
                        o.reconstructions, o.loss]
     with tf.compat.v1.Session() as sess:
       _init_random(sess)
@@ -127,8 +124,8 @@ def test_stopped_gradient_is_gradient_with_c_held_fixed(iters):
   _check_away_from_kinks(iters)
   with tf.Graph().as_default(), tf.compat.v1.Session() as sess:
     u, w = tf.constant(U), tf.constant(W)
-    _, c = routing.dynamic_routing(tf.einsum("bik,iokd->biod", u, w), iters)
-    c_fixed = sess.run(c)
+    _, couplings = routing.dynamic_routing(tf.einsum("bik,iokd->biod", u, w), iters)
+    c_fixed = sess.run(couplings[-1])
     analytic = sess.run(tf.gradients(_routed_loss(u, w, iters, stop=True), [u, w]))
     # Finite differences of the loss in which c is a constant.
     _, fixed_num = tf.test.compute_gradient(
@@ -156,8 +153,9 @@ def test_graph_structure(tiny_cfg, iters):
       stopped = [op for op in graph.get_operations()
                  if op.type == "StopGradient" and op.name.startswith(scope)]
       assert len(stopped) == (1 if stop else 0)
-      for r in range(iters):
-        s_op = graph.get_operation_by_name(f"{scope}/iter_{r}/MatMul")
+      for r, c in enumerate(out.couplings):
+        # The weighted sum of iteration r: the product of c with u_hat.
+        (s_op,) = [op for op in c.consumers() if op.type == "BatchMatMulV2"]
         reads = s_op.inputs[1]          # u_hat viewed as [batch, in_caps, o*d]
         assert reads.op.type == "Reshape"
         s = graph.get_tensor_by_name(f"{scope}/iter_{r}/s:0")

@@ -7,8 +7,7 @@ import sys
 import numpy as np
 
 from capsnet import study
-from conftest import ROOT
-from test_train import SMALL, needs_mnist
+from conftest import ROOT, SMALL, needs_mnist
 
 
 def fake_run(folder, test_error, val_errors, diag, epochs=1, speed=100.0,

@@ -1,0 +1,61 @@
+"""Command lines on their own: errors, Ctrl-C."""
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import tensorflow as tf
+
+from conftest import ROOT, SMALL, cli, last_line, needs_mnist
+
+
+def test_train_flag_error_is_one_line_and_writes_nothing(tmp_path):
+  proc = cli("train.py", "--decoder_units=512,x", f"--logdir={tmp_path}/a")
+  assert proc.returncode == 1
+  assert proc.stderr.strip().splitlines()[-1] == (
+      "train.py: error: ModelConfig.decoder_units must be positive ints, got "
+      "['512', 'x']")
+  assert not os.path.exists(f"{tmp_path}/a")
+
+
+def test_eval_error_is_one_line(tmp_path):
+  missing = str(tmp_path / "nothing")
+  proc = cli("eval.py", f"--checkpoint={missing}")
+  assert proc.returncode == 1
+  assert last_line(proc) == (f"eval.py: error: {missing}: no such checkpoint "
+                             f"(expected {missing}.index) or logdir")
+  assert "Traceback" not in proc.stderr
+
+
+@needs_mnist
+def test_sigint_saves_a_loadable_checkpoint(tmp_path):
+  logdir = str(tmp_path / "sigint")
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=ROOT)
+  proc = subprocess.Popen(
+      [sys.executable, os.path.join(ROOT, "train.py"), *SMALL, f"--logdir={logdir}",
+       "--epochs=50", "--summary_every=1"],
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+  deadline = time.time() + 120
+  while not glob.glob(os.path.join(logdir, "events.out.*")) and time.time() < deadline:
+    time.sleep(0.5)
+  time.sleep(1)   # into the first epoch
+  proc.send_signal(signal.SIGINT)
+  out, err = proc.communicate(timeout=120)
+  assert proc.returncode == 130, err[-3000:]
+  ckpt = tf.train.latest_checkpoint(os.path.join(logdir, "latest"))
+  assert f"Saved {ckpt}; run again with --logdir={logdir} to resume" in out
+  step = int(ckpt.rsplit("-", 1)[1])
+  assert 0 < step < 59500 // 32         # saved part-way through epoch 1
+  reader = tf.train.load_checkpoint(ckpt)
+  assert reader.get_tensor("state/epoch_examples") == 32 * step
+  assert reader.get_tensor("global_step") == step
+  # eval.py takes the checkpoint prefix (config.json one folder up) and
+  # another number of routing iterations.
+  proc = cli("eval.py", f"--checkpoint={ckpt}", f"--out_dir={tmp_path}/eval",
+             "--iter_routing=2", "--num_images=4", "--split=validation")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  res = json.load(open(tmp_path / "eval" / "results.json"))
+  assert (res["count"], res["checkpoint"], res["iter_routing"]) == (500, ckpt, 2)

@@ -1,0 +1,72 @@
+"""The end-to-end numerical regression test: a fixed-seed tiny run's weights,
+bit for bit."""
+import hashlib
+import json
+import os
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from conftest import SMALL, cli, needs_mnist
+
+
+# Weights of a fixed-seed tiny run (SMALL, 320 training images, 12 steps), a
+# sha256 over the model variables in name order: any change to what is
+# computed (layers, initialisation, data order, augmentation, optimizer)
+# changes them. Recorded at commit 8739eda, before the layers were reshaped
+# (issue 14), and unchanged since. How oneDNN rounds in bfloat16 depends on
+# the CPU's instructions, so the bf16 value is per kind of CPU (the bf16
+# instructions it has) and checked only where one was recorded.
+WEIGHTS_SHA256 = {
+    "float64": "b639933f89df2108b8c4b1320b264c5efba71713fbf4e476e33e18a0523a1f86",
+}
+BF16_WEIGHTS_SHA256 = {   # CPU bf16 instructions: sha256
+    "avx512_bf16": "25360c1e0bed34fe978546a89d2f03028cd49809fcaaf3f2aee196514b7c63d3",
+}
+
+
+def _weights_sha256(ckpt):
+  reader = tf.train.load_checkpoint(ckpt)
+  digest = hashlib.sha256()
+  for name, _ in sorted(tf.train.list_variables(ckpt)):
+    if name.startswith("capsnet/") and "Adam" not in name:
+      digest.update(name.encode())
+      digest.update(np.ascontiguousarray(reader.get_tensor(name)).tobytes())
+  return digest.hexdigest()
+
+
+def _cpu_bf16_instructions():
+  try:
+    cpu_flags = set(open("/proc/cpuinfo").read().split())
+  except OSError:
+    return "unknown"
+  return ",".join(f for f in ("avx512_bf16", "amx_bf16") if f in cpu_flags) or "none"
+
+
+if _cpu_bf16_instructions() in BF16_WEIGHTS_SHA256:
+  WEIGHTS_SHA256["bf16"] = BF16_WEIGHTS_SHA256[_cpu_bf16_instructions()]
+
+
+@needs_mnist
+@pytest.mark.parametrize("mode", [
+    "float64", pytest.param("bf16", marks=pytest.mark.skipif(
+        "bf16" not in WEIGHTS_SHA256, reason="no bf16 checksum recorded for a CPU "
+        f"with bf16 instructions {_cpu_bf16_instructions()!r}"))])
+def test_max_steps_and_bit_identical_weights(tmp_path, mode):
+  """--max_steps stops mid-epoch (10 steps an epoch, stop at 12) and the
+  weights are bit for bit those recorded."""
+  logdir = str(tmp_path / mode)
+  flag = "--dtype=float64" if mode == "float64" else "--precision=bf16"
+  proc = cli("train.py", *SMALL, "--train_size=320", "--max_steps=12", flag,
+             f"--logdir={logdir}")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  ckpt = tf.train.latest_checkpoint(os.path.join(logdir, "latest"))
+  assert ckpt.endswith("-12")
+  reader = tf.train.load_checkpoint(ckpt)
+  assert (reader.get_tensor("state/epoch"), reader.get_tensor("state/epoch_examples")) == (1, 64)
+  rows = [json.loads(l) for l in open(os.path.join(logdir, "metrics.jsonl"))]
+  assert [(r["epoch"], r["step"]) for r in rows] == [(1, 10)]
+  test = json.load(open(os.path.join(logdir, "test_results.json")))
+  assert test["checkpoint"].endswith("best/model.ckpt-10")
+  assert _weights_sha256(ckpt) == WEIGHTS_SHA256[mode]
