@@ -1,15 +1,16 @@
 """MNIST / Fashion-MNIST: verified IDX files, download with md5, tf.data pipeline.
 
 Files live in `data/<dataset>/` (the cache folder, git-ignored). Present files
-are checked by size and, once, by md5 (the result is cached in
-`.verified.json` beside them, keyed by size and mtime). Missing files are
-fetched from public mirrors in order, written to a temporary file and renamed
-only after the md5 matches, so a failed download never leaves a file behind.
+are checked by size and md5 at every start (hashing the four MNIST files takes
+a few tens of milliseconds), so nothing is written beside them and a folder
+of correct files may be read-only. Their contents are checked too: image
+size, label range, matching counts. Missing files are fetched from public
+mirrors in order, written to a temporary file and renamed only after the md5
+matches, so a failed download never leaves a file behind.
 """
 import collections
 import gzip
 import hashlib
-import json
 import os
 import struct
 import tempfile
@@ -19,15 +20,17 @@ import urllib.request
 import numpy as np
 import tensorflow as tf
 
-from capsnet import files
 
 IMAGE_MAGIC = 2051   # 0x00000803: unsigned byte, 3 dimensions
 LABEL_MAGIC = 2049   # 0x00000801: unsigned byte, 1 dimension
 MAX_SHIFT = 2        # the paper's augmentation: shifts of up to 2 pixels
 
-# name -> (file name, md5 of the .gz, size in bytes), as published.
+# name -> its files: (file name, md5 of the .gz, size in bytes), as
+# published; the image size and the number of classes; the mirrors.
 DATASETS = {
     "mnist": {
+        "image_shape": (28, 28),
+        "num_classes": 10,
         "files": {
             "train_images": ("train-images-idx3-ubyte.gz",
                              "f68b3c2dcbeaaa9fbdd348bbdeb94873", 9912422),
@@ -45,6 +48,8 @@ DATASETS = {
         ],
     },
     "fashion_mnist": {
+        "image_shape": (28, 28),
+        "num_classes": 10,
         "files": {
             "train_images": ("train-images-idx3-ubyte.gz",
                              "8d4fb7e6c68d591d4c3dfef9ec88bf0d", 26421880),
@@ -62,7 +67,6 @@ DATASETS = {
         ],
     },
 }
-_VERIFIED = ".verified.json"
 
 
 class DataError(ValueError):
@@ -110,37 +114,16 @@ def md5_of(path):
   return h.hexdigest()
 
 
-def _load_verified(data_dir):
-  try:
-    with open(os.path.join(data_dir, _VERIFIED)) as f:
-      return json.load(f)
-  except (OSError, ValueError):
-    return {}
-
-
-def _save_verified(data_dir, verified):
-  files.write_json(os.path.join(data_dir, _VERIFIED), verified)
-
-
-def _check_present(path, md5, size, verified):
-  """Size always, md5 unless cached for this size and mtime. Raises DataError."""
+def _check_present(path, md5, size):
+  """Size, then md5. Raises DataError naming the file."""
   st = os.stat(path)
   if st.st_size != size:
     raise DataError(f"{path}: {st.st_size} bytes, expected {size}; the file is "
                     "corrupt or from another data set (delete it to fetch again)")
-  if verified.get(os.path.basename(path)) == _stamp(path, md5):
-    return False
   got = md5_of(path)
   if got != md5:
     raise DataError(f"{path}: md5 {got}, expected {md5}; the file is corrupt "
                     "(delete it to fetch again)")
-  verified[os.path.basename(path)] = _stamp(path, md5)
-  return True
-
-
-def _stamp(path, md5):
-  st = os.stat(path)
-  return [st.st_size, st.st_mtime_ns, md5]
 
 
 def download(url, path, md5, timeout=30.0):
@@ -188,17 +171,23 @@ def ensure_files(dataset, data_dir, download_missing=True, mirrors=None,
     raise DataError(f"unknown dataset {dataset!r}, expected one of {sorted(DATASETS)}")
   spec = DATASETS[dataset]
   mirrors = spec["mirrors"] if mirrors is None else mirrors
-  os.makedirs(data_dir, exist_ok=True)
-  verified = _load_verified(data_dir)
-  changed, paths, missing = False, {}, []
+  if os.path.exists(data_dir) and not os.path.isdir(data_dir):
+    raise DataError(f"{data_dir}: is a file, expected the folder of the "
+                    f"{dataset} files (--data_dir)")
+  paths, missing = {}, []
   for key, (name, md5, size) in spec["files"].items():
     path = paths[key] = os.path.join(data_dir, name)
     if os.path.exists(path):
-      changed |= _check_present(path, md5, size, verified)
+      _check_present(path, md5, size)
     else:
       missing.append((name, md5))
   failures = []
   if missing and download_missing:
+    try:
+      os.makedirs(data_dir, exist_ok=True)
+    except OSError as e:
+      raise DataError(f"{data_dir}: cannot create the folder for the downloads "
+                      f"({e.strerror})") from None
     still = []
     for name, md5 in missing:
       path = os.path.join(data_dir, name)
@@ -208,14 +197,9 @@ def ensure_files(dataset, data_dir, download_missing=True, mirrors=None,
           break
         except DataError as e:
           failures.append(str(e))
-      if os.path.exists(path):   # download() checked the md5
-        verified[name] = _stamp(path, md5)
-        changed = True
-      else:
+      if not os.path.exists(path):   # download() checked the md5
         still.append((name, md5))
     missing = still
-  if changed:
-    _save_verified(data_dir, verified)
   if missing:
     names = ", ".join(n for n, _ in missing)
     why = (f"download failed ({'; '.join(failures[-3:])})" if download_missing
@@ -235,13 +219,22 @@ def load(dataset, data_dir, val_size=5000, download_missing=True, mirrors=None):
     DataError: see `ensure_files` and `read_idx`; also a bad `val_size`.
   """
   paths = ensure_files(dataset, data_dir, download_missing, mirrors)
+  spec = DATASETS[dataset]
   arrays = {}
   for split in ("train", "test"):
-    images = read_idx(paths[f"{split}_images"], IMAGE_MAGIC)
-    labels = read_idx(paths[f"{split}_labels"], LABEL_MAGIC)
+    image_path, label_path = paths[f"{split}_images"], paths[f"{split}_labels"]
+    images = read_idx(image_path, IMAGE_MAGIC)
+    labels = read_idx(label_path, LABEL_MAGIC)
     if len(images) != len(labels):
-      raise DataError(f"{paths[f'{split}_images']}: {len(images)} images but "
-                      f"{paths[f'{split}_labels']} has {len(labels)} labels")
+      raise DataError(f"{image_path}: {len(images)} images but "
+                      f"{label_path} has {len(labels)} labels")
+    if "image_shape" in spec and images.shape[1:] != tuple(spec["image_shape"]):
+      raise DataError(f"{image_path}: images of {images.shape[1]}x{images.shape[2]}, "
+                      f"expected {spec['image_shape'][0]}x{spec['image_shape'][1]}")
+    if "num_classes" in spec and len(labels) and labels.max() >= spec["num_classes"]:
+      raise DataError(f"{label_path}: label {labels.max()} at index "
+                      f"{int(labels.argmax())}, expected labels in "
+                      f"[0, {spec['num_classes']})")
     arrays[split] = (images[..., None], labels.astype(np.int32))
   train_x, train_y = arrays["train"]
   if not 0 <= val_size < len(train_x):

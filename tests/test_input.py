@@ -63,15 +63,55 @@ def test_round_trip_and_splits(tiny):
     data.load("tiny", str(folder), val_size=12)
 
 
-def test_md5_checked_once_then_cached(tiny, monkeypatch):
-  folder, _, _ = tiny
+def test_md5_checked_at_every_start_and_nothing_written(tiny, monkeypatch):
+  folder, _, spec = tiny
   calls = []
   real = data.md5_of
   monkeypatch.setattr(data, "md5_of", lambda p: calls.append(p) or real(p))
+  before = sorted(os.listdir(folder)), os.stat(folder).st_mtime_ns
   data.ensure_files("tiny", str(folder))
-  assert len(calls) == 4
   data.ensure_files("tiny", str(folder))
-  assert len(calls) == 4          # second start: size and mtime only
+  assert len(calls) == 8
+  # Nothing written beside the files: a read-only folder of them works.
+  assert (sorted(os.listdir(folder)), os.stat(folder).st_mtime_ns) == before
+  # A same-size file with the old mtime (cp -p, rsync -a, tar) is caught.
+  path = folder / "train_labels.gz"
+  stat = os.stat(path)
+  blob = bytearray(path.read_bytes())
+  blob[-9] ^= 0xFF
+  path.write_bytes(bytes(blob))
+  os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+  with pytest.raises(data.DataError, match=r"train_labels\.gz: md5 [0-9a-f]{32}, "
+                     "expected " + spec["files"]["train_labels"][1]):
+    data.ensure_files("tiny", str(folder))
+
+
+def test_data_dir_that_is_a_file(tmp_path):
+  path = tmp_path / "file"
+  path.write_text("x")
+  with pytest.raises(data.DataError, match=f"{path}: is a file, expected the folder "
+                     "of the mnist files"):
+    data.ensure_files("mnist", str(path), download_missing=False)
+
+
+@pytest.mark.parametrize("bad,message", [
+    ("label", r"train_labels\.gz: label 42 at index 5, expected labels in \[0, 10\)"),
+    ("shape", r"test_images\.gz: images of 5x4, expected 4x4"),
+])
+def test_labels_out_of_range_and_wrong_image_size(tmp_path, monkeypatch, bad, message):
+  arrays, spec = tiny_dataset(str(tmp_path))
+  if bad == "label":
+    labels = arrays["train_labels"].copy()
+    labels[5] = 42
+    write_idx(str(tmp_path / "train_labels.gz"), labels, data.LABEL_MAGIC)
+  else:
+    write_idx(str(tmp_path / "test_images.gz"), np.zeros((5, 5, 4)), data.IMAGE_MAGIC)
+  spec = dict(spec, image_shape=(4, 4), num_classes=10, files={
+      key: (name, data.md5_of(str(tmp_path / name)), os.path.getsize(tmp_path / name))
+      for key, (name, _, _) in spec["files"].items()})
+  monkeypatch.setitem(data.DATASETS, "tiny", spec)
+  with pytest.raises(data.DataError, match=message):
+    data.load("tiny", str(tmp_path), val_size=3)
 
 
 def test_bad_magic(tmp_path):
@@ -159,7 +199,7 @@ def test_download_second_mirror(remote):
     server.httpd.shutdown()
   np.testing.assert_array_equal(data.read_idx(paths["test_labels"], data.LABEL_MAGIC),
                                 arrays["test_labels"])
-  assert sorted(os.listdir(dest)) == sorted(list(files) + [".verified.json"])
+  assert sorted(os.listdir(dest)) == sorted(files)
 
 
 def test_corrupt_download_leaves_nothing(remote):
