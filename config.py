@@ -126,3 +126,15 @@ def default_device():
   """/gpu:0 when TensorFlow sees a GPU, else /cpu:0 (the --device default)."""
   return "/gpu:0" if tf.config.list_physical_devices("GPU") else "/cpu:0"
 
+
+def resolve_device(device, program):
+  """The model's device: --device, or the default; a GPU device on a machine
+  where TensorFlow sees none becomes /cpu:0, said in one line."""
+  if not device:
+    return default_device()
+  if device.lower().startswith("/gpu") and not tf.config.list_physical_devices("GPU"):
+    print(f"{program}: TensorFlow sees no GPU: the model runs on /cpu:0 instead "
+          f"of {device}")
+    return "/cpu:0"
+  return device
+

@@ -14,18 +14,22 @@ reconstructions.png (inputs beside their reconstructions) and figure4.png
 import dataclasses
 import os
 import sys
+import tempfile
 
-from absl import app
-from absl import flags
-import numpy as np
-import tensorflow as tf
+from capsnet import startup
+startup.quiet_tensorflow()   # before anything imports TensorFlow
 
-import config
-from capsnet import evaluation
-from capsnet import files
-from capsnet import input as data
-from capsnet import model
-from capsnet import runs
+from absl import app  # noqa: E402
+from absl import flags  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import config  # noqa: E402
+from capsnet import evaluation  # noqa: E402
+from capsnet import files  # noqa: E402
+from capsnet import input as data  # noqa: E402
+from capsnet import model  # noqa: E402
+from capsnet import runs  # noqa: E402
 
 flags.DEFINE_string("checkpoint", None, "checkpoint prefix or training logdir")
 flags.DEFINE_enum("which", "best", ["best", "latest"], "checkpoint of a logdir")
@@ -81,21 +85,42 @@ def main(argv):
     if s.iter_routing:
       cfg = dataclasses.replace(cfg, iter_routing=s.iter_routing)
     dataset = s.dataset or train_settings.get("dataset", "mnist")
-    splits = data.load(dataset, s.data_dir or f"data/{dataset}",
-                       train_settings.get("val_size", 5000), s.download)
+    val_size = train_settings.get("val_size", 5000)
+    if s.split == "validation" and not val_size:
+      raise runs.RunError(f"--split=validation: {run_dir} was trained with "
+                          "--val_size=0, so it has no validation split")
+    reason = runs.damage(ckpt)
+    if reason:
+      raise runs.RunError(f"{ckpt}: damaged checkpoint ({reason})")
+    splits = data.load(dataset, s.data_dir or f"data/{dataset}", val_size, s.download)
     images, labels = splits[s.split]
-    evaluate(cfg, ckpt, images, labels, dataclasses.replace(s, dataset=dataset),
-             run_dir)
+    s = dataclasses.replace(s, dataset=dataset, out_dir=s.out_dir or os.path.join(
+        run_dir, f"eval_{os.path.basename(ckpt)}_r{cfg.iter_routing}_{s.split}"))
+    make_writable_folder(s.out_dir)
+    evaluate(cfg, ckpt, images, labels, s)
   except ValueError as e:   # RunError, DataError, ModelConfig errors
     sys.exit(f"eval.py: error: {e}")
+  except OSError as e:
+    sys.exit(f"eval.py: error: {e.filename or s.out_dir}: {e.strerror or e}")
 
 
-def evaluate(cfg, ckpt, images, labels, s, run_dir):
-  """Scores (images, labels) with the checkpoint; writes and prints the report."""
-  out_dir = s.out_dir or os.path.join(
-      run_dir, f"eval_{os.path.basename(ckpt)}_r{cfg.iter_routing}_{s.split}")
+def make_writable_folder(path):
+  """Creates the output folder and writes a probe file in it, before any
+  work. Raises: RunError naming the path."""
+  try:
+    os.makedirs(path, exist_ok=True)
+    with tempfile.TemporaryFile(dir=path):
+      pass
+  except OSError as e:
+    raise runs.RunError(f"--out_dir={path}: cannot write there ({e.strerror})") from None
+
+
+def evaluate(cfg, ckpt, images, labels, s):
+  """Scores (images, labels) with the checkpoint; writes to s.out_dir and
+  prints the report."""
+  out_dir = s.out_dir
   with tf.Graph().as_default():
-    ev = evaluation.build(cfg, s.batch_size, s.device or config.default_device())
+    ev = evaluation.build(cfg, s.batch_size, config.resolve_device(s.device, "eval.py"))
     figure4 = None
     if cfg.use_decoder:
       v_in = tf.compat.v1.placeholder(ev.outputs.v.dtype, ev.outputs.v.shape)
@@ -108,7 +133,6 @@ def evaluate(cfg, ckpt, images, labels, s, run_dir):
     with tf.compat.v1.Session(config=proto) as sess:
       saver.restore(sess, ckpt)
       res = evaluation.run(sess, ev, images, labels)
-      os.makedirs(out_dir, exist_ok=True)
       result = dict(evaluation.summary(res), checkpoint=ckpt, dataset=s.dataset,
                     split=s.split, iter_routing=cfg.iter_routing)
       files.write_json(os.path.join(out_dir, "results.json"), result)

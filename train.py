@@ -20,24 +20,30 @@ the run's position, the graph, then the loop: restore or initialise, train an
 epoch, end it (validate, save), and score the best checkpoint on the test set.
 """
 import collections
+import contextlib
 import dataclasses
 import json
 import os
 import signal
 import sys
+import tempfile
 import time
 
-from absl import app
-from absl import flags
-import numpy as np
-import tensorflow as tf
-import tqdm
+from capsnet import startup
+startup.quiet_tensorflow()   # before anything imports TensorFlow
 
-import config
-from capsnet import evaluation
-from capsnet import files
-from capsnet import input as data
-from capsnet import model
+from absl import app  # noqa: E402
+from absl import flags  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+import tqdm  # noqa: E402
+
+import config  # noqa: E402
+from capsnet import evaluation  # noqa: E402
+from capsnet import files  # noqa: E402
+from capsnet import input as data  # noqa: E402
+from capsnet import model  # noqa: E402
+from capsnet import runs  # noqa: E402
 
 config.define_train_flags()
 flags.DEFINE_integer("train_size", 0, "use only the first N training images "
@@ -48,9 +54,11 @@ FLAGS = flags.FLAGS
 # how the same computation is carried out, not what is computed.
 RESUMABLE_CHANGES = ("precision", "conv_impl")
 
-# Trainer settings written to config.json ("train").
+# Trainer settings written to config.json ("train"); all but the ones in
+# RESUMABLE_SETTINGS must be the same when a run resumes.
 RECORDED_SETTINGS = ("dataset", "val_size", "train_size", "batch_size",
                      "learning_rate", "decay_steps", "decay_rate", "seed", "epochs")
+RESUMABLE_SETTINGS = ("epochs",)
 
 
 class TrainingError(Exception):
@@ -98,7 +106,7 @@ def settings_from_flags(values):
   """
   names = [f.name for f in dataclasses.fields(Settings)]
   kwargs = {name: values[name].value for name in names}
-  kwargs["device"] = kwargs["device"] or config.default_device()
+  kwargs["device"] = config.resolve_device(kwargs["device"], "train.py")
   kwargs["data_dir"] = kwargs["data_dir"] or f"data/{kwargs['dataset']}"
   if kwargs["batch_size"] % kwargs["num_gpus"]:
     raise ValueError(f"--batch_size={kwargs['batch_size']} must divide by "
@@ -114,15 +122,26 @@ def tower_devices(device, num_towers):
   return [f"{kind}:{i}" for i in range(num_towers)]
 
 
-def load_splits(s):
-  """train/validation/test arrays of the settings' data set.
+def load_splits(s, cfg):
+  """train/validation/test arrays of the settings' data set, checked
+  against the model config.
 
   Raises: DataError (a ValueError) for missing or corrupt files, ValueError
-  for a batch larger than the training split.
+  for images or labels the model cannot take, or a batch larger than the
+  training split.
   """
   splits = data.load(s.dataset, s.data_dir, s.val_size, s.download)
   if s.train_size:
     splits["train"] = tuple(a[:s.train_size] for a in splits["train"])
+  images, labels = splits["test"]
+  expected = (cfg.image_size, cfg.image_size, cfg.image_channels)
+  if images.shape[1:] != expected:
+    raise ValueError(f"--dataset={s.dataset} has {'x'.join(map(str, images.shape[1:]))} "
+                     f"images, the model takes {'x'.join(map(str, expected))} "
+                     "(--image_size, --image_channels)")
+  if labels.max() >= cfg.num_classes:
+    raise ValueError(f"--dataset={s.dataset} has labels up to {labels.max()}, the "
+                     f"model has --num_classes={cfg.num_classes}")
   if len(splits["train"][0]) < s.batch_size:
     raise ValueError(f"--batch_size={s.batch_size} is larger than the "
                      f"{len(splits['train'][0])} training images")
@@ -130,27 +149,60 @@ def load_splits(s):
 
 
 def check_logdir(logdir, cfg, s):
-  """Refuses a logdir whose config.json disagrees with `cfg`; writes it.
+  """Refuses a logdir that is a file, cannot be written, or whose
+  config.json disagrees with `cfg` or the settings (but for
+  RESUMABLE_CHANGES and RESUMABLE_SETTINGS). Writes nothing.
 
-  Raises: ValueError naming the file and the first differing field.
+  Raises: ValueError naming the path, or the file and the first differing
+  field.
   """
+  _check_writable(logdir)
   path = os.path.join(logdir, "config.json")
-  if os.path.exists(path):
-    try:
-      with open(path) as f:
-        old = json.load(f)["model"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-      raise ValueError(f"{path}: not a valid config.json ({e})") from None
-    for field, value in dataclasses.asdict(cfg).items():
-      if field in RESUMABLE_CHANGES:
-        continue
-      before = old.get(field)
-      before = tuple(before) if isinstance(before, list) else before
-      if before != value:
-        raise ValueError(f"{path} has {field}={before!r}, the flags give "
-                         f"{value!r}: use another --logdir or the same value")
+  if not os.path.exists(path):
+    return
+  try:
+    with open(path) as f:
+      old = json.load(f)
+    old_model, old_train = old["model"], old.get("train", {})
+  except (OSError, ValueError, KeyError, TypeError) as e:
+    raise ValueError(f"{path}: not a valid config.json ({e})") from None
+  for field, value in dataclasses.asdict(cfg).items():
+    if field not in RESUMABLE_CHANGES:
+      _same(path, field, old_model.get(field), value)
+  for field, value in s.recorded().items():
+    if field not in RESUMABLE_SETTINGS and field in old_train:
+      _same(path, field, old_train[field], value)
+
+
+def _same(path, field, before, value):
+  before = tuple(before) if isinstance(before, list) else before
+  if before != value:
+    raise ValueError(f"{path} has {field}={before!r}, the flags give "
+                     f"{value!r}: use another --logdir or the same value")
+
+
+def _check_writable(logdir):
+  """The logdir, or the folder that would hold it, takes a file."""
+  if os.path.exists(logdir) and not os.path.isdir(logdir):
+    raise ValueError(f"--logdir={logdir}: is a file, expected a folder")
+  folder = logdir
+  while not os.path.exists(folder):
+    folder = os.path.dirname(os.path.abspath(folder))
+  if not os.path.isdir(folder):
+    raise ValueError(f"--logdir={logdir}: {folder} is a file, expected a folder")
+  try:
+    with tempfile.TemporaryFile(dir=folder):
+      pass
+  except OSError as e:
+    raise ValueError(f"--logdir={logdir}: cannot write in {folder} "
+                     f"({e.strerror})") from None
+
+
+def write_config(logdir, cfg, s):
+  """config.json: the model config and the recorded settings."""
   os.makedirs(logdir, exist_ok=True)
-  files.write_json(path, {"model": dataclasses.asdict(cfg), "train": s.recorded()})
+  files.write_json(os.path.join(logdir, "config.json"),
+                   {"model": dataclasses.asdict(cfg), "train": s.recorded()})
 
 
 # --------------------------------------------------------------------------
@@ -163,10 +215,19 @@ class Position:
   epoch: int = 0            # completed epochs
   examples: int = 0         # examples of the current epoch already trained
   best_val: float = -1.0    # best validation accuracy so far (-1: none)
+  loss_sum: float = 0.0     # sums over the current epoch's steps, for its
+  accuracy_sum: float = 0.0  # metrics row (float64, added in step order)
+  summed_steps: int = 0     # steps in those sums
 
 
 class RunState:
-  """A `Position` kept in variables, so that every checkpoint holds it."""
+  """A `Position` kept in variables, so that every checkpoint holds it.
+
+  The epoch sums were added later: their variables are created after the
+  model's (`add_epoch_sums`), so that the model's initial weights did not
+  move (op seeds follow the graph's op count), and a checkpoint without them
+  restores with them at their defaults (`optional`).
+  """
 
   def __init__(self):
     self.global_step = tf.compat.v1.train.get_or_create_global_step()
@@ -181,16 +242,32 @@ class RunState:
     self._feeds = {k: tf.compat.v1.placeholder(v.dtype.base_dtype, [])
                    for k, v in self._vars.items()}
     self._assign = tf.group(*[v.assign(self._feeds[k]) for k, v in self._vars.items()])
+    self.optional = []
+
+  def add_epoch_sums(self):
+    get = tf.compat.v1.get_variable
+    sums = {"loss_sum": get("state/epoch_loss_sum", [], tf.float64,
+                            tf.zeros_initializer(), trainable=False),
+            "accuracy_sum": get("state/epoch_accuracy_sum", [], tf.float64,
+                                tf.zeros_initializer(), trainable=False),
+            "summed_steps": get("state/epoch_summed_steps", [], tf.int64,
+                                tf.zeros_initializer(), trainable=False)}
+    feeds = {k: tf.compat.v1.placeholder(v.dtype.base_dtype, []) for k, v in sums.items()}
+    self._assign = tf.group(self._assign, *[v.assign(feeds[k]) for k, v in sums.items()])
+    self._vars.update(sums)
+    self._feeds.update(feeds)
+    self.optional = list(sums.values())
 
   def load(self, sess):
     """The position held by the variables (after a restore or an init)."""
-    step, *rest = sess.run([self.global_step, *self._vars.values()])
-    return Position(step.item(), *(x.item() for x in rest))
+    values = sess.run({"step": self.global_step, **self._vars})
+    return Position(**{k: v.item() for k, v in values.items()})
 
   def save(self, sess, saver, folder, pos):
     """Writes `pos` into the variables, then a checkpoint into `folder`."""
     sess.run(self._assign, {self._feeds[k]: getattr(pos, k) for k in self._vars})
-    return saver.save(sess, os.path.join(folder, "model.ckpt"), self.global_step)
+    return saver.save(sess, os.path.join(folder, "model.ckpt"), self.global_step,
+                      write_meta_graph=False)
 
 
 # --------------------------------------------------------------------------
@@ -198,7 +275,8 @@ class RunState:
 
 TrainGraph = collections.namedtuple("TrainGraph", [
     "graph", "state", "input", "lr", "train_op", "loss", "accuracy", "summary",
-    "eval", "diag", "saver_latest", "saver_best", "init"])
+    "eval", "diag", "saver_latest", "saver_best", "saver_without_optional",
+    "init", "init_optional"])
 
 
 def build_graph(cfg, s, devices, fixed_batch):
@@ -232,12 +310,17 @@ def build_graph(cfg, s, devices, fixed_batch):
         diag = model.gradient_diagnostic(
             tf.constant(fixed_batch[0], tf.float32) / 255.0,
             tf.constant(fixed_batch[1]), cfg)
+    state.add_epoch_sums()
     saver_latest = tf.compat.v1.train.Saver(max_to_keep=2, save_relative_paths=True)
     saver_best = tf.compat.v1.train.Saver(max_to_keep=1, save_relative_paths=True)
+    saver_without_optional = tf.compat.v1.train.Saver(
+        [v for v in tf.compat.v1.global_variables() if v not in state.optional])
     init = tf.compat.v1.global_variables_initializer()
+    init_optional = tf.compat.v1.variables_initializer(state.optional)
   graph.finalize()
   return TrainGraph(graph, state, pipe, lr, train_op, loss, accuracy, summary, ev,
-                    diag, saver_latest, saver_best, init)
+                    diag, saver_latest, saver_best, saver_without_optional, init,
+                    init_optional)
 
 
 def _summaries(out, images, lr):
@@ -273,17 +356,34 @@ def session_config(devices, log_device_placement=False):
 # The loop
 
 class StopRequest:
-  """Ctrl-C once: stop after this step and save. Twice: quit at once."""
+  """Ctrl-C once: stop after this step and save. Twice: quit at once, but
+  never in the middle of writing a checkpoint (it finishes first)."""
 
   def __init__(self):
     self.requested = False
+    self.saving = False
+    self.quit_after_save = False
 
   def __call__(self, signum, frame):
-    if self.requested:
+    if self.requested and self.saving:
+      self.quit_after_save = True
+    elif self.requested:
       raise KeyboardInterrupt
-    self.requested = True
-    tqdm.tqdm.write("Interrupted: saving a checkpoint at the end of this step "
-                    "(Ctrl-C again to quit without saving)")
+    else:
+      self.requested = True
+      tqdm.tqdm.write("Interrupted: saving a checkpoint at the end of this step "
+                      "(Ctrl-C again to quit without saving)")
+
+  @contextlib.contextmanager
+  def deferred(self):
+    """A second Ctrl-C inside waits until the block is done."""
+    self.saving = True
+    try:
+      yield
+    finally:
+      self.saving = False
+    if self.quit_after_save:
+      raise KeyboardInterrupt
 
 
 # What one call of `train` works with.
@@ -297,20 +397,32 @@ def main(argv):
     cfg = config.model_config_from_flags(FLAGS)
     s = settings_from_flags(FLAGS)
     devices = tower_devices(s.device, s.num_gpus)
-    splits = load_splits(s)
     check_logdir(s.logdir, cfg, s)
+    splits = load_splits(s, cfg)
   except ValueError as e:   # DataError is a ValueError
     sys.exit(f"train.py: error: {e}")
   try:
     train(cfg, s, devices, splits)
-  except TrainingError as e:
+  except (TrainingError, runs.RunError) as e:
     sys.exit(f"train.py: error: {e}")
+  except OSError as e:
+    sys.exit(f"train.py: error: {e.filename or s.logdir}: {e.strerror or e}")
+  except KeyboardInterrupt:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    print(f"Interrupted again: quit without saving; the last checkpoint is "
+          f"{tf.train.latest_checkpoint(_folder(s, 'latest'))}", file=sys.stderr)
+    sys.exit(130)
+  except SystemExit:   # stopped by Ctrl-C and saved: a later Ctrl-C changes nothing
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise
 
 
 def train(cfg, s, devices, splits):
   """Trains until --epochs or --max_steps, then tests the best checkpoint.
 
-  Exits with status 130 after a Ctrl-C, once the checkpoint is saved.
+  Writes config.json once the graph is built and the session restored or
+  initialised. Exits with status 130 after a Ctrl-C, once the checkpoint is
+  saved.
   """
   train_x, train_y = splits["train"]
   g = build_graph(cfg, s, devices, (train_x[:32], train_y[:32]))
@@ -319,13 +431,17 @@ def train(cfg, s, devices, splits):
   try:
     with tf.compat.v1.Session(graph=g.graph, config=session_config(
         devices, s.log_device_placement)) as sess:
-      pos, resumed = restore_or_init(sess, g, s.logdir)
+      pos, resumed = restore_or_init(sess, g, s)
+      write_config(s.logdir, cfg, s)
       writer = tf.compat.v1.summary.FileWriter(s.logdir, None if resumed else g.graph)
+      if resumed:   # TensorBoard drops what the first attempt logged after pos.step
+        writer.add_session_log(tf.compat.v1.SessionLog(
+            status=tf.compat.v1.SessionLog.START), pos.step)
       run = Run(sess, g, s, splits, writer, stop)
       while pos.epoch < s.epochs and not out_of_steps(s, pos) and not stop.requested:
         stats = run_epoch(run, pos)
         if stop.requested or pos.examples < steps_per_epoch(run) * s.batch_size:
-          g.state.save(sess, g.saver_latest, _folder(s, "latest"), pos)
+          save(run, g.saver_latest, "latest", pos)
           break
         end_epoch(run, pos, stats)
       writer.flush()
@@ -350,28 +466,81 @@ def out_of_steps(s, pos):
   return s.max_steps and pos.step >= s.max_steps
 
 
-def restore_or_init(sess, g, logdir):
-  """Restores the newest latest/ checkpoint, or initialises the variables.
+def restore_or_init(sess, g, s):
+  """Restores the newest intact checkpoint of latest/ (or best/), or, in a
+  logdir without checkpoints, initialises the variables.
 
+  A damaged checkpoint (missing or truncated file, bad checksum) is passed
+  over, saying so. Rows of metrics.jsonl and diagnostics.jsonl written after
+  the restored step are dropped: the run writes them again.
   Returns: (the run's `Position`, whether a checkpoint was restored).
+  Raises: runs.RunError if there are checkpoints but none is intact.
   """
-  ckpt = tf.train.latest_checkpoint(os.path.join(logdir, "latest"))
-  if ckpt:
-    g.saver_latest.restore(sess, ckpt)
-    print(f"Resuming from {ckpt}")
-  else:
+  folders = [_folder(s, "latest"), _folder(s, "best")]
+  ckpt, damaged = runs.newest_intact(folders)
+  for prefix, reason in damaged:
+    print(f"{prefix}: damaged ({reason}); passed over")
+  if ckpt is None and damaged:
+    raise runs.RunError(f"{s.logdir}: no intact checkpoint ({len(damaged)} damaged); "
+                        "move the logdir away to start again")
+  if ckpt is None:   # (rows of an attempt killed before its first save go)
     sess.run(g.init)
-  return g.state.load(sess), bool(ckpt)
+    _drop_rows_after(s.logdir, 0)
+    return g.state.load(sess), False
+  names = set(tf.train.load_checkpoint(ckpt).get_variable_to_shape_map())
+  if all(v.op.name in names for v in g.state.optional):
+    g.saver_latest.restore(sess, ckpt)
+  else:   # written before the optional state existed: it starts at its default
+    g.saver_without_optional.restore(sess, ckpt)
+    sess.run(g.init_optional)
+  print(f"Resuming from {ckpt}")
+  pos = g.state.load(sess)
+  for saver, folder in zip((g.saver_latest, g.saver_best), folders):
+    kept = [p for p in runs.checkpoints_in(folder) if runs.step_of(p) <= pos.step
+            and p not in dict(damaged)]
+    saver.recover_last_checkpoints(kept)   # so that it deletes them in turn
+  _drop_rows_after(s.logdir, pos.step)
+  return pos, True
+
+
+def _drop_rows_after(logdir, step):
+  """Drops the metrics and diagnostics rows of steps after `step`."""
+  for name in ("metrics.jsonl", "diagnostics.jsonl"):
+    path = os.path.join(logdir, name)
+    if not os.path.exists(path):
+      continue
+    with open(path) as f:
+      lines = [l for l in f if l.strip()]
+    kept = [l for l in lines if json.loads(l)["step"] <= step]
+    if len(kept) < len(lines):
+      files.atomic_write(path, "".join(kept))
+
+
+def save(run, saver, which, pos):
+  """A checkpoint of `pos` into latest/ or best/; a second Ctrl-C waits.
+
+  Raises: TrainingError if it cannot be written (e.g. a full disk); the
+  checkpoints listed before stay listed and whole.
+  """
+  folder = _folder(run.s, which)
+  try:
+    with run.stop.deferred():
+      run.g.state.save(run.sess, saver, folder, pos)
+  except (tf.errors.OpError, OSError) as e:
+    reason = runs.error_reason(e)
+    raise TrainingError(
+        f"could not write the checkpoint of step {pos.step} to {folder} ({reason}); "
+        f"the last complete one is {tf.train.latest_checkpoint(folder)}") from None
 
 
 @dataclasses.dataclass
 class EpochStats:
-  """What the steps of one `run_epoch` call saw."""
+  """Timing of one `run_epoch` call (the loss sums are in the Position)."""
   start: float                  # time.time() at the start
   val_seconds: float = 0.0      # spent in validations inside the epoch
   images: int = 0
-  losses: list = dataclasses.field(default_factory=list)
-  accuracies: list = dataclasses.field(default_factory=list)
+  last_loss: float = 0.0
+  last_accuracy: float = 0.0
 
 
 def run_epoch(run, pos):
@@ -396,7 +565,7 @@ def run_epoch(run, pos):
     if not train_step(run, pos, stats):
       break
     bar.update(1)
-    bar.set_postfix(loss=f"{stats.losses[-1]:.4f}", acc=f"{stats.accuracies[-1]:.3f}",
+    bar.set_postfix(loss=f"{stats.last_loss:.4f}", acc=f"{stats.last_accuracy:.3f}",
                     img_s=f"{s.batch_size / (time.time() - t0):.0f}")
   bar.close()
   return stats
@@ -423,9 +592,11 @@ def train_step(run, pos, stats):
         f"loss is {loss} at step {pos.step}; stopped without saving, the last "
         f"good checkpoint is {tf.train.latest_checkpoint(_folder(s, 'latest'))}")
   pos.examples += s.batch_size
+  pos.loss_sum += float(loss)
+  pos.accuracy_sum += float(accuracy)
+  pos.summed_steps += 1
   stats.images += s.batch_size
-  stats.losses.append(loss)
-  stats.accuracies.append(accuracy)
+  stats.last_loss, stats.last_accuracy = loss, accuracy
   if want_summary:
     run.writer.add_summary(res[3], pos.step)
   if g.diag and (pos.step % s.diag_every == 0 or pos.step == 1):
@@ -436,21 +607,27 @@ def train_step(run, pos, stats):
     validate(run, pos, {"epoch": round(pos.epoch + pos.examples / epoch_images, 3),
                         "step": pos.step})
     stats.val_seconds += time.time() - t
-  if pos.step % s.save_every == 0:
-    g.state.save(sess, g.saver_latest, _folder(s, "latest"), pos)
+  if pos.step % s.save_every == 0 and pos.examples < epoch_images:
+    save(run, g.saver_latest, "latest", pos)   # (end_epoch saves the last step)
   return True
 
 
 def end_epoch(run, pos, stats):
-  """Closes a completed epoch: its metrics row, validation, checkpoints."""
+  """Closes a completed epoch: its metrics row, validation, checkpoints.
+
+  train_loss and train_accuracy are means over all the epoch's steps, across
+  resumes (images/s and wall_s: this attempt's steps only).
+  """
   wall = time.time() - stats.start - stats.val_seconds
-  pos.epoch, pos.examples = pos.epoch + 1, 0
-  row = {"epoch": pos.epoch, "step": pos.step, "wall_s": round(wall, 1),
+  n = pos.summed_steps
+  row = {"epoch": pos.epoch + 1, "step": pos.step, "wall_s": round(wall, 1),
          "images_per_sec": round(stats.images / wall, 1),
-         "train_loss": float(np.mean(stats.losses)) if stats.losses else None,
-         "train_accuracy": float(np.mean(stats.accuracies)) if stats.accuracies else None}
+         "train_loss": pos.loss_sum / n if n else None,
+         "train_accuracy": pos.accuracy_sum / n if n else None}
+  pos.epoch, pos.examples = pos.epoch + 1, 0
+  pos.loss_sum, pos.accuracy_sum, pos.summed_steps = 0.0, 0.0, 0
   validate(run, pos, row)
-  run.g.state.save(run.sess, run.g.saver_latest, _folder(run.s, "latest"), pos)
+  save(run, run.g.saver_latest, "latest", pos)
 
 
 def validate(run, pos, row):
@@ -466,10 +643,15 @@ def validate(run, pos, row):
           + (f", {row['images_per_sec']} images/s" if "images_per_sec" in row else ""))
     add_scalars(run.writer, pos.step, {"validation/accuracy": val["accuracy"],
                                        "validation/loss": val["loss"]})
-  if not len(val_y) or val["accuracy"] > pos.best_val:
-    pos.best_val = val["accuracy"] if len(val_y) else pos.best_val
-    run.g.state.save(run.sess, run.g.saver_best, _folder(run.s, "best"), pos)
+  # Compared as the checkpoint keeps it (float32), so that a resumed run
+  # decides as an uninterrupted one does.
+  accuracy = float(np.float32(val["accuracy"])) if len(val_y) else None
+  # The row first: a run killed before the best checkpoint is written
+  # resumes from an earlier one, drops the row and writes it again.
   files.append_jsonl(os.path.join(run.s.logdir, "metrics.jsonl"), row)
+  if not len(val_y) or accuracy > pos.best_val:
+    pos.best_val = accuracy if len(val_y) else pos.best_val
+    save(run, run.g.saver_best, "best", pos)
 
 
 def final_test(run):

@@ -59,3 +59,70 @@ def check_matches(ckpt, variables):
     if list(saved[name]) != shape:
       raise RunError(f"{ckpt}: checkpoint of another architecture: {name} is "
                      f"{list(saved[name])} in the checkpoint, {shape} in config.json")
+
+
+def step_of(prefix):
+  """The global step in a checkpoint prefix `.../model.ckpt-<step>`."""
+  return int(prefix.rsplit("-", 1)[1])
+
+
+def checkpoints_in(folder):
+  """Checkpoint prefixes in `folder`, oldest first: those its `checkpoint`
+  file lists and any other `model.ckpt-<step>` with an index file (the
+  `checkpoint` file itself may be the damaged part)."""
+  found = set()
+  try:
+    state = tf.compat.v1.train.get_checkpoint_state(folder)
+  except (tf.errors.OpError, ValueError):   # an unreadable `checkpoint` file
+    state = None
+  if state is not None:
+    for path in state.all_model_checkpoint_paths:
+      found.add(path if os.path.isabs(path) else os.path.join(folder, path))
+  if os.path.isdir(folder):
+    for name in os.listdir(folder):
+      if name.startswith("model.ckpt-") and name.endswith(".index"):
+        found.add(os.path.join(folder, name[:-len(".index")]))
+  good = [p for p in found if p.rsplit("-", 1)[1].isdigit()]
+  return sorted(good, key=step_of)
+
+
+def damage(prefix):
+  """Why the checkpoint cannot be restored (a short reason), or None if
+  every tensor in it reads back (TensorFlow checks each one's checksum)."""
+  if not os.path.exists(prefix + ".index"):
+    return "no .index file"
+  try:
+    reader = tf.train.load_checkpoint(prefix)
+    for name in reader.get_variable_to_shape_map():
+      reader.get_tensor(name)
+  except Exception as e:  # pylint: disable=broad-except
+    # A damaged file fails in many ways (OpError, IndexError, ValueError...).
+    return error_reason(e)
+  return None
+
+
+def error_reason(error):
+  """The informative line of a TensorFlow error (its message is framed by
+  "Graph execution error:", node names and hints), at most 200 characters."""
+  message = getattr(error, "message", None) or str(error) or type(error).__name__
+  frame = ("Graph execution error", "Detected at node", "File ", "Node:", "[[",
+           "Hint:", "Traceback")
+  lines = [l.strip() for l in message.splitlines()]
+  lines = [l for l in lines if l and not l.startswith(frame)]
+  return (lines[-1] if lines else type(error).__name__)[:200]
+
+
+def newest_intact(folders):
+  """The newest checkpoint that reads back whole, over `folders`.
+
+  Returns: (prefix or None, [(prefix, reason)] of the newer damaged ones).
+  """
+  candidates = sorted((p for f in folders for p in checkpoints_in(f)),
+                      key=step_of, reverse=True)
+  damaged = []
+  for prefix in candidates:
+    reason = damage(prefix)
+    if reason is None:
+      return prefix, damaged
+    damaged.append((prefix, reason))
+  return None, damaged

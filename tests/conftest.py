@@ -5,8 +5,10 @@ import os
 import subprocess
 import sys
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from capsnet import startup  # noqa: E402
+startup.quiet_tensorflow()
 
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
@@ -40,10 +42,13 @@ SMALL = ["--conv1_channels=16", "--primary_types=4", "--primary_dim=4",
          f"--data_dir={MNIST}", "--download=false"]
 
 
-def cli(script, *args, timeout=300, **kwargs):
+def cli(script, *args, timeout=300, tf_log_level="3", **kwargs):
   """Runs `python <script> <args>` from the repository root; returns the
-  CompletedProcess (text stdout and stderr)."""
-  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=ROOT)
+  CompletedProcess (text stdout and stderr). tf_log_level=None: the
+  program's own default (TF_CPP_MIN_LOG_LEVEL unset)."""
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL=tf_log_level or "", PYTHONPATH=ROOT)
+  if tf_log_level is None:
+    del env["TF_CPP_MIN_LOG_LEVEL"]
   return subprocess.run([sys.executable, os.path.join(ROOT, script), *args],
                         capture_output=True, text=True, timeout=timeout, env=env,
                         cwd=ROOT, **kwargs)
