@@ -487,12 +487,7 @@ def restore_or_init(sess, g, s):
     sess.run(g.init)
     _drop_rows_after(s.logdir, 0)
     return g.state.load(sess), False
-  names = set(tf.train.load_checkpoint(ckpt).get_variable_to_shape_map())
-  if all(v.op.name in names for v in g.state.optional):
-    g.saver_latest.restore(sess, ckpt)
-  else:   # written before the optional state existed: it starts at its default
-    g.saver_without_optional.restore(sess, ckpt)
-    sess.run(g.init_optional)
+  restore(sess, g, ckpt)
   print(f"Resuming from {ckpt}")
   pos = g.state.load(sess)
   for saver, folder in zip((g.saver_latest, g.saver_best), folders):
@@ -501,6 +496,17 @@ def restore_or_init(sess, g, s):
     saver.recover_last_checkpoints(kept)   # so that it deletes them in turn
   _drop_rows_after(s.logdir, pos.step)
   return pos, True
+
+
+def restore(sess, g, ckpt):
+  """Restores every variable; state a checkpoint lacks (written before that
+  state existed) starts at its default."""
+  names = set(tf.train.load_checkpoint(ckpt).get_variable_to_shape_map())
+  if all(v.op.name in names for v in g.state.optional):
+    g.saver_latest.restore(sess, ckpt)
+  else:
+    g.saver_without_optional.restore(sess, ckpt)
+    sess.run(g.init_optional)
 
 
 def _drop_rows_after(logdir, step):
@@ -660,7 +666,7 @@ def final_test(run):
   if best is None:
     print("No completed epoch yet: no best checkpoint to test")
     return
-  run.g.saver_best.restore(run.sess, best)
+  restore(run.sess, run.g, best)
   test = evaluation.run(run.sess, run.g.eval, *run.splits["test"])
   result = dict(evaluation.summary(test), checkpoint=best, split="test")
   files.write_json(os.path.join(run.s.logdir, "test_results.json"), result)
