@@ -411,7 +411,11 @@ def main(argv):
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     print(f"Interrupted again: quit without saving; the last checkpoint is "
           f"{tf.train.latest_checkpoint(_folder(s, 'latest'))}", file=sys.stderr)
-    sys.exit(130)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # At once: interpreter shutdown with TensorFlow's input threads still
+    # running can abort the process ("exception not rethrown").
+    os._exit(130)
   except SystemExit:   # stopped by Ctrl-C and saved: a later Ctrl-C changes nothing
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     raise

@@ -1,6 +1,7 @@
 """Shared fixtures and helpers: graph mode once, a tiny float64 config, the
 small model's command-line flags and a runner for train.py / eval.py."""
 import glob
+import json
 import os
 import subprocess
 import sys
@@ -57,3 +58,34 @@ def cli(script, *args, timeout=300, tf_log_level="3", **kwargs):
 def last_line(proc):
   lines = [l for l in proc.stderr.strip().splitlines() if l.strip()]
   return lines[-1] if lines else ""
+
+
+# 320 training images of 32: 10 steps an epoch.
+QUICK = [*SMALL, "--train_size=320"]
+
+
+def rows(logdir, name="metrics.jsonl"):
+  with open(os.path.join(logdir, name)) as f:
+    return [json.loads(l) for l in f if l.strip()]
+
+
+def listed(folder):
+  """The checkpoints a `checkpoint` file lists, each of which must load."""
+  state = tf.compat.v1.train.get_checkpoint_state(folder)
+  return [os.path.join(folder, os.path.basename(p))
+          for p in (state.all_model_checkpoint_paths if state else [])]
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+  """A tmpfs folder (needs mount rights, as root in CI); yields a function
+  that remounts it with other options."""
+  folder = tmp_path / "mnt"
+  folder.mkdir()
+  if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(folder)],
+                    capture_output=True).returncode:
+    pytest.skip("cannot mount a tmpfs here")
+  remount = lambda opts: subprocess.run(
+      ["mount", "-o", f"remount,{opts}", str(folder)], check=True)
+  yield folder, remount
+  subprocess.run(["umount", str(folder)])

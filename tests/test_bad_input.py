@@ -1,0 +1,93 @@
+"""Bad input refused in one line before anything is written: changed
+settings on resume, unusable logdirs, data the model cannot take; and
+TensorFlow's start-up notices."""
+import dataclasses
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+import train
+from capsnet import model
+from conftest import QUICK, ROOT, cli, last_line, needs_mnist
+
+
+def test_tensorflow_start_up_notices_hidden_unless_asked_for(tmp_path):
+  env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+  args = [sys.executable, os.path.join(ROOT, "eval.py"), f"--checkpoint={tmp_path}/x"]
+  proc = subprocess.run(args, capture_output=True, text=True, cwd=ROOT, env=env)
+  assert proc.returncode == 1
+  assert proc.stderr.splitlines() == [
+      f"eval.py: error: {tmp_path}/x: no such checkpoint (expected {tmp_path}/x.index) "
+      "or logdir"]
+  proc = subprocess.run(args, capture_output=True, text=True, cwd=ROOT,
+                        env=dict(env, TF_CPP_MIN_LOG_LEVEL="0"))
+  assert len(proc.stderr.splitlines()) > 1     # the user asked for them
+
+
+def _settings(**changes):
+  values = dict(logdir="", dataset="mnist", data_dir="", download=False, val_size=500,
+                train_size=320, epochs=2, max_steps=0, batch_size=32,
+                eval_batch_size=300, learning_rate=0.001, decay_steps=2000,
+                decay_rate=0.96, seed=0, device="/cpu:0", num_gpus=1,
+                log_device_placement=False, save_every=5, summary_every=100,
+                diag_every=0, val_every=0, progress=False)
+  return train.Settings(**dict(values, **changes))
+
+
+@pytest.mark.parametrize("field,value", [
+    ("dataset", "fashion_mnist"), ("seed", 1), ("batch_size", 64), ("val_size", 0),
+    ("train_size", 640), ("learning_rate", 0.01), ("decay_steps", 143),
+    ("decay_rate", 0.9)])
+def test_other_training_settings_refused_on_resume(tmp_path, field, value):
+  cfg = model.ModelConfig(**TINY_MODEL)
+  s = _settings(logdir=str(tmp_path))
+  train.write_config(str(tmp_path), cfg, s)
+  before = (tmp_path / "config.json").read_text()
+  with pytest.raises(ValueError, match=re.escape(
+      f"{tmp_path}/config.json has {field}={getattr(s, field)!r}, the flags give "
+      f"{value!r}: use another --logdir or the same value")):
+    train.check_logdir(str(tmp_path), cfg, dataclasses.replace(s, **{field: value}))
+  assert (tmp_path / "config.json").read_text() == before
+  # --epochs and --max_steps may change, and so may precision and conv_impl.
+  train.check_logdir(str(tmp_path), dataclasses.replace(cfg, precision="bf16",
+                                                        conv_impl="conv2d"),
+                     dataclasses.replace(s, epochs=5, max_steps=7))
+
+
+TINY_MODEL = dict(conv1_channels=16, primary_types=4, primary_dim=4, digit_dim=8,
+                  decoder_units=(32,))
+
+
+def test_logdir_that_is_a_file_or_under_a_file(tmp_path):
+  cfg, path = model.ModelConfig(), tmp_path / "file"
+  path.write_text("x")
+  with pytest.raises(ValueError, match=f"--logdir={path}: is a file, expected a folder"):
+    train.check_logdir(str(path), cfg, _settings())
+  with pytest.raises(ValueError, match=f"--logdir={path}/run: {path} is a file, "
+                     "expected a folder"):
+    train.check_logdir(str(path / "run"), cfg, _settings())
+
+
+def test_logdir_in_a_read_only_folder(small_disk):
+  folder, remount = small_disk
+  remount("ro")
+  with pytest.raises(ValueError, match=re.escape(
+      f"--logdir={folder}/run: cannot write in {folder} (Read-only file system)")):
+    train.check_logdir(str(folder / "run"), model.ModelConfig(), _settings())
+
+
+@needs_mnist
+def test_image_size_the_data_does_not_have_leaves_nothing(tmp_path):
+  logdir = tmp_path / "run"
+  proc = cli("train.py", *QUICK, "--image_size=32", f"--logdir={logdir}")
+  assert proc.returncode == 1
+  assert last_line(proc) == ("train.py: error: --dataset=mnist has 28x28x1 images, "
+                             "the model takes 32x32x1 (--image_size, --image_channels)")
+  assert not logdir.exists()
+  proc = cli("train.py", *QUICK, "--num_classes=5", f"--logdir={logdir}")
+  assert last_line(proc) == ("train.py: error: --dataset=mnist has labels up to 9, the "
+                             "model has --num_classes=5")
+  assert not logdir.exists()

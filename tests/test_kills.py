@@ -1,0 +1,127 @@
+"""Kills, interrupts and a full disk during training: the run resumes to the
+uninterrupted run's result, and every listed checkpoint loads."""
+import glob
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import train
+from capsnet import runs
+from conftest import QUICK, ROOT, cli, last_line, listed, needs_mnist, rows
+from test_regression import _weights_sha256
+
+TIMING = ("wall_s", "images_per_sec")   # metrics fields that may differ
+
+
+@needs_mnist
+def test_full_disk_while_saving_ends_in_one_line_and_listed_checkpoints_load(small_disk):
+  folder, _ = small_disk
+  logdir = str(folder / "run")
+  proc = cli("train.py", *QUICK, f"--logdir={logdir}", "--epochs=50", "--save_every=1",
+             "--summary_every=1000")
+  assert proc.returncode == 1, proc.stderr[-3000:]
+  assert re.fullmatch(r"train\.py: error: could not write the checkpoint of step \d+ "
+                      rf"to {logdir}/(latest|best) \(.+\); the last complete one is "
+                      rf"{logdir}/(latest|best)/model\.ckpt-\d+", last_line(proc)), \
+      last_line(proc)
+  assert "Traceback" not in proc.stderr
+  for which in ("latest", "best"):
+    for prefix in listed(os.path.join(logdir, which)):
+      assert runs.damage(prefix) is None, prefix
+
+
+def test_second_ctrl_c_waits_for_the_checkpoint_being_written():
+  stop = train.StopRequest()
+  stop(signal.SIGINT, None)
+  assert stop.requested
+  with pytest.raises(KeyboardInterrupt):
+    with stop.deferred():
+      stop(signal.SIGINT, None)          # during the save: no exception here
+      finished = True                    # ...so the save completes
+  assert finished
+  with pytest.raises(KeyboardInterrupt):
+    stop(signal.SIGINT, None)            # outside a save: at once
+
+
+@needs_mnist
+def test_ctrl_c_twice_no_traceback_and_listed_checkpoints_load(tmp_path):
+  logdir = str(tmp_path / "run")
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=ROOT)
+  proc = subprocess.Popen(
+      [sys.executable, os.path.join(ROOT, "train.py"), *QUICK, f"--logdir={logdir}",
+       "--epochs=50", "--save_every=1"],
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+  deadline = time.time() + 120
+  while not os.path.exists(os.path.join(logdir, "latest")) and time.time() < deadline:
+    time.sleep(0.05)
+  proc.send_signal(signal.SIGINT)
+  time.sleep(0.02)
+  proc.send_signal(signal.SIGINT)
+  out, err = proc.communicate(timeout=120)
+  assert proc.returncode == 130, err[-3000:]
+  assert "Traceback" not in err
+  for prefix in listed(os.path.join(logdir, "latest")):
+    assert runs.damage(prefix) is None, prefix
+
+
+@needs_mnist
+def test_sigkill_at_random_moments_changes_nothing(tmp_path):
+  """A run killed (SIGKILL) several times, once while writing a checkpoint,
+  and resumed each time ends with the uninterrupted run's weights, bit for
+  bit, and its metrics rows (timing aside)."""
+  args = [*QUICK, "--epochs=3", "--save_every=1", "--summary_every=1000"]
+  reference = str(tmp_path / "reference")
+  proc = cli("train.py", *args, f"--logdir={reference}")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  logdir = str(tmp_path / "killed")
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=ROOT)
+  rng = random.Random(0)
+  kills = 0
+  for attempt in range(4):
+    start = _latest_step(logdir)
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), *args,
+                             f"--logdir={logdir}"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, env=env, cwd=ROOT)
+    deadline = time.time() + 120
+    if attempt == 0:   # while a checkpoint is being written
+      done = lambda: glob.glob(os.path.join(logdir, "latest", "*temp*"))
+    else:              # a few steps on, at a random moment of a step
+      target = start + rng.randint(2, 6)
+      done = lambda: _latest_step(logdir) >= target
+    while not done() and time.time() < deadline and proc.poll() is None:
+      time.sleep(0.001)
+    time.sleep(0 if attempt == 0 else rng.uniform(0.0, 0.05))
+    if proc.poll() is None:
+      proc.kill()
+      kills += 1
+    proc.wait()
+  assert kills >= 3
+  proc = cli("train.py", *args, f"--logdir={logdir}")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  ckpt = lambda d: tf.train.latest_checkpoint(os.path.join(d, "latest"))
+  assert ckpt(logdir).endswith("-30") and ckpt(reference).endswith("-30")
+  assert _weights_sha256(ckpt(logdir)) == _weights_sha256(ckpt(reference))
+  strip = lambda rs: [{k: v for k, v in r.items() if k not in TIMING} for r in rs]
+  assert strip(rows(logdir)) == strip(rows(reference))
+  test = lambda d: json.load(open(os.path.join(d, "test_results.json")))
+  assert os.path.basename(test(logdir)["checkpoint"]) == os.path.basename(
+      test(reference)["checkpoint"]), (rows(logdir), rows(reference))
+  assert test(logdir)["accuracy"] == test(reference)["accuracy"]
+  np.testing.assert_equal(test(logdir)["confusion"], test(reference)["confusion"])
+
+
+def _latest_step(logdir):
+  try:
+    with open(os.path.join(logdir, "latest", "checkpoint")) as f:
+      return runs.step_of(f.readline().split('"')[1])
+  except (OSError, IndexError, ValueError):
+    return 0
