@@ -12,6 +12,7 @@ reconstructions.png (inputs beside their reconstructions) and figure4.png
 [-0.25, 0.25] in steps of 0.05, decoded; Figure 4 of the paper).
 """
 import dataclasses
+import json
 import os
 import sys
 import tempfile
@@ -29,7 +30,9 @@ from capsnet import evaluation  # noqa: E402
 from capsnet import files  # noqa: E402
 from capsnet import input as data  # noqa: E402
 from capsnet import model  # noqa: E402
+from capsnet import pictures  # noqa: E402
 from capsnet import runs  # noqa: E402
+from capsnet import serving  # noqa: E402
 
 flags.DEFINE_string("checkpoint", None, "checkpoint prefix or training logdir")
 flags.DEFINE_enum("which", "best", ["best", "latest"], "checkpoint of a logdir")
@@ -40,6 +43,12 @@ flags.DEFINE_string("out_dir", None, "output folder")
 flags.DEFINE_string("device", None, "model device (default /gpu:0 if present)")
 flags.DEFINE_integer("num_images", 16, "images in reconstructions.png", lower_bound=1)
 flags.DEFINE_integer("figure4_images", 3, "test images in figure4.png", lower_bound=1)
+flags.DEFINE_string("images", None, "instead of a split: classify these image files "
+                    "(--images a.png b.jpg ...; any size, colour or grey), writing "
+                    "<name>.png and <name>_routing.png for each to --out_dir")
+flags.DEFINE_bool("json", False, "with --images: print the results as JSON")
+flags.DEFINE_string("export_savedmodel", None, "instead: write the model as a "
+                    "TensorFlow SavedModel to this (new) folder")
 config.define_data_flags(dataset_default=None)
 flags.mark_flag_as_required("checkpoint")
 FLAGS = flags.FLAGS
@@ -73,35 +82,93 @@ class Settings:
   dataset: str              # None: the run's own
   data_dir: str
   download: bool
+  images: tuple             # with --images: the files to classify
+  json: bool
+  export_savedmodel: str
 
 
 def main(argv):
-  del argv
+  values = {f.name: FLAGS[f.name].value for f in dataclasses.fields(Settings)}
+  values["images"] = (values["images"], *argv[1:]) if values["images"] else ()
+  s = Settings(**values)
   tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.ERROR)  # deprecations
-  s = Settings(**{f.name: FLAGS[f.name].value for f in dataclasses.fields(Settings)})
   try:
+    if len(argv) > 1 and not s.images:
+      raise runs.RunError(f"unexpected arguments {argv[1:]} (image files go after "
+                          "--images)")
     ckpt, run_dir = runs.resolve(s.checkpoint, s.which)
     cfg, train_settings = runs.load_config(run_dir)
     if s.iter_routing:
       cfg = dataclasses.replace(cfg, iter_routing=s.iter_routing)
-    dataset = s.dataset or train_settings.get("dataset", "mnist")
-    val_size = train_settings.get("val_size", 5000)
-    if s.split == "validation" and not val_size:
-      raise runs.RunError(f"--split=validation: {run_dir} was trained with "
-                          "--val_size=0, so it has no validation split")
     reason = runs.damage(ckpt)
     if reason:
       raise runs.RunError(f"{ckpt}: damaged checkpoint ({reason})")
-    splits = data.load(dataset, s.data_dir or f"data/{dataset}", val_size, s.download)
-    images, labels = splits[s.split]
-    s = dataclasses.replace(s, dataset=dataset, out_dir=s.out_dir or os.path.join(
-        run_dir, f"eval_{os.path.basename(ckpt)}_r{cfg.iter_routing}_{s.split}"))
-    make_writable_folder(s.out_dir)
-    evaluate(cfg, ckpt, images, labels, s)
+    if s.export_savedmodel:
+      serving.export(cfg, ckpt, s.export_savedmodel)
+      print(f"wrote the SavedModel of {ckpt} to {s.export_savedmodel}")
+    elif s.images:
+      s = dataclasses.replace(s, out_dir=s.out_dir or os.path.join(run_dir, "own_images"))
+      make_writable_folder(s.out_dir)
+      sys.exit(classify_files(cfg, ckpt, s))
+    else:
+      evaluate_split(cfg, ckpt, run_dir, train_settings, s)
   except ValueError as e:   # RunError, DataError, ModelConfig errors
     sys.exit(f"eval.py: error: {e}")
   except OSError as e:
     sys.exit(f"eval.py: error: {e.filename or s.out_dir}: {e.strerror or e}")
+
+
+def evaluate_split(cfg, ckpt, run_dir, train_settings, s):
+  """Scores the test (or validation) split of the run's data set."""
+  dataset = s.dataset or train_settings.get("dataset", "mnist")
+  val_size = train_settings.get("val_size", 5000)
+  if s.split == "validation" and not val_size:
+    raise runs.RunError(f"--split=validation: {run_dir} was trained with "
+                        "--val_size=0, so it has no validation split")
+  splits = data.load(dataset, s.data_dir or f"data/{dataset}", val_size, s.download)
+  images, labels = splits[s.split]
+  s = dataclasses.replace(s, dataset=dataset, out_dir=s.out_dir or os.path.join(
+      run_dir, f"eval_{os.path.basename(ckpt)}_r{cfg.iter_routing}_{s.split}"))
+  make_writable_folder(s.out_dir)
+  evaluate(cfg, ckpt, images, labels, s)
+
+
+def classify_files(cfg, ckpt, s):
+  """Classifies image files; prints a line (or JSON) each and writes their
+  pictures. A file that cannot be used gets one line on stderr and the
+  others are still classified. Returns: the exit status (1 if any failed)."""
+  images, names, failed = [], [], 0
+  for path in s.images:
+    try:
+      images.append(pictures.preprocess(path))
+      names.append(path)
+    except pictures.ImageError as e:
+      print(f"eval.py: error: {e}", file=sys.stderr)
+      failed += 1
+  results = serving.classify(cfg, ckpt, np.stack(images)) if images else None
+  report = []
+  for k, path in enumerate(names):
+    r = {key: value[k] for key, value in results.items()}
+    stem = os.path.join(s.out_dir, os.path.splitext(os.path.basename(path))[0])
+    files.atomic_write(stem + ".png", pictures.encode_png(pictures.report(
+        images[k][..., 0], r.get("reconstructions"), r["lengths"], r["classes"])))
+    grids = pictures.routing_grids(r["couplings"], r["classes"], cfg.primary_size,
+                                   cfg.primary_types)
+    entropies = [pictures.mean_entropy(c) for c in r["couplings"]]
+    files.atomic_write(stem + "_routing.png", pictures.encode_png(
+        pictures.routing_figure(images[k][..., 0], grids, entropies,
+                                (cfg.conv1_kernel, cfg.primary_kernel),
+                                cfg.primary_stride)))
+    report.append({"file": path, "class": int(r["classes"]),
+                   "lengths": [round(float(x), 6) for x in r["lengths"]],
+                   "routing_entropy": [round(e, 6) for e in entropies],
+                   "pictures": [stem + ".png", stem + "_routing.png"]})
+  if s.json:
+    print(json.dumps(report, indent=2))
+  for r in report if not s.json else []:
+    print(f"{r['file']}: {r['class']}  lengths " + " ".join(
+        f"{x:.3f}" for x in r["lengths"]))
+  return 1 if failed else 0
 
 
 def make_writable_folder(path):

@@ -1,0 +1,196 @@
+"""Your own digit images in MNIST's form, and the pictures eval.py draws of
+what the model does with them (pure NumPy but for decoding and resizing,
+which use TensorFlow's image ops).
+
+MNIST's digits were made so (LeCun et al.): grey levels, the digit
+size-normalised into a 20x20 box keeping its aspect ratio (anti-aliased),
+then centred in a 28x28 field by its centre of mass. `preprocess` does the
+same to any image: grey, inverted if the background is light, cropped to
+the ink, scaled into 20x20, centred by centre of mass.
+"""
+import re
+
+import numpy as np
+import tensorflow as tf
+
+BOX = 20        # the digit's size-normalised box
+FIELD = 28      # the image
+
+
+class ImageError(ValueError):
+  """An image that cannot be read, decoded or used; the message names it."""
+
+
+def preprocess(path):
+  """An image file (PNG, JPEG, GIF or BMP; any size, colour or grey, either
+  polarity) as an MNIST digit.
+
+  Returns: uint8 `[28, 28, 1]`, white ink on black.
+  Raises: ImageError naming the file.
+  """
+  grey = _decode_grey(path)                                  # [h, w] in [0, 1]
+  edges = lambda a: np.concatenate([a[0], a[-1], a[:, 0], a[:, -1]])
+  ink = 1.0 - grey if edges(grey).mean() > 0.5 else grey      # ink bright
+  background = np.median(edges(ink))
+  ink = np.clip((ink - background) / max(1.0 - background, 1e-6), 0, 1)
+  if ink.max() <= 0.05:
+    raise ImageError(f"{path}: no ink found (a blank image?)")
+  rows, cols = np.nonzero(ink > 0.1 * ink.max())
+  crop = ink[rows.min():rows.max() + 1, cols.min():cols.max() + 1]
+  crop = crop / crop.max()
+  h, w = crop.shape
+  scale = BOX / max(h, w)
+  size = [max(1, round(h * scale)), max(1, round(w * scale))]
+  small = _evaluate(lambda: tf.image.resize(crop[..., None], size, method="area",
+                                            antialias=True))[..., 0]
+  return _centre_by_mass(np.clip(small, 0, 1))
+
+
+def _decode_grey(path):
+  try:
+    image = _evaluate(lambda: tf.io.decode_image(
+        tf.io.read_file(path), channels=4, expand_animations=False))
+  except (tf.errors.OpError, ValueError) as e:
+    reason = (getattr(e, "message", None) or str(e)).strip().splitlines()[-1]
+    reason = re.sub(r"\{\{[^}]*\}\}\s*|\s*\[Op:\w+\].*$", "", reason).strip()[:120]
+    raise ImageError(f"{path}: cannot read or decode the image ({reason})") from None
+  rgba = image.astype(np.float32) / 255.0
+  alpha = rgba[..., 3:]
+  rgb = rgba[..., :3] * alpha + (1.0 - alpha)                 # over white
+  return rgb @ np.array([0.2989, 0.5870, 0.1140], np.float32)  # as rgb_to_grayscale
+
+
+def _centre_by_mass(digit):
+  """`digit` (at most 20x20) in a 28x28 field with its centre of mass at
+  the field's centre, kept whole inside the field."""
+  h, w = digit.shape
+  total = digit.sum()
+  cy = (digit.sum(1) * np.arange(h)).sum() / total
+  cx = (digit.sum(0) * np.arange(w)).sum() / total
+  top = int(np.clip(round((FIELD - 1) / 2 - cy), 0, FIELD - h))
+  left = int(np.clip(round((FIELD - 1) / 2 - cx), 0, FIELD - w))
+  field = np.zeros([FIELD, FIELD], np.float32)
+  field[top:top + h, left:left + w] = digit
+  return (field * 255).round().astype(np.uint8)[..., None]
+
+
+# A 3x5 pixel font for the labels in the pictures: digits, ".", " ", "H".
+_GLYPHS = {
+    "0": "111101101101111", "1": "010110010010111", "2": "111001111100111",
+    "3": "111001111001111", "4": "101101111001001", "5": "111100111001111",
+    "6": "111100111101111", "7": "111001010010010", "8": "111101111101111",
+    "9": "111101111001111", ".": "000000000000010", " ": "000000000000000",
+    "H": "101101111101101", "=": "000111000111000", "c": "000111100100111",
+    "-": "000000111000000",
+}
+
+
+def text(string, scale=2):
+  """`string` in the 3x5 font as a bool array (True = ink)."""
+  glyphs = [np.array(list(_GLYPHS[ch]), int).reshape(5, 3).astype(bool)
+            for ch in string]
+  spaced = []
+  for g in glyphs:
+    spaced += [g, np.zeros([5, 1], bool)]
+  line = np.concatenate(spaced[:-1] or [np.zeros([5, 1], bool)], axis=1)
+  return np.kron(line, np.ones([scale, scale], bool))
+
+
+def _paint(canvas, mask, top, left, colour):
+  h, w = mask.shape
+  region = canvas[top:top + h, left:left + w]
+  region[mask[:region.shape[0], :region.shape[1]]] = colour
+
+
+def report(image, reconstruction, lengths, prediction, zoom=4):
+  """One picture: the preprocessed input, its reconstruction (from the
+  predicted class's capsule) and the ten capsule lengths as bars over their
+  class digits, the predicted one in red; a dashed line at 0.5.
+
+  Args:
+    image: `[28, 28]` uint8; reconstruction: `[784]` in [0, 1] or None;
+    lengths: `[num_classes]`; prediction: int.
+  Returns: uint8 `[H, W, 3]`.
+  """
+  size = FIELD * zoom
+  grey = lambda a: np.repeat(np.kron(a, np.ones([zoom, zoom]))[..., None], 3, axis=2)
+  panels = [grey(image / 255.0)]
+  if reconstruction is not None:
+    panels.append(grey(np.reshape(reconstruction, [FIELD, FIELD])))
+  bar_w, gap, height = 14, 4, size - 16
+  chart = np.ones([size, len(lengths) * (bar_w + gap) + gap, 3])
+  for k, length in enumerate(lengths):
+    left = gap + k * (bar_w + gap)
+    top = height - int(round(min(max(length, 0), 1) * height))
+    colour = (0.85, 0.1, 0.1) if k == prediction else (0.35, 0.35, 0.35)
+    chart[top:height, left:left + bar_w] = colour
+    _paint(chart, text(str(k)), height + 3, left + 4, (0, 0, 0))
+  chart[height // 2, ::4] = (0.6, 0.6, 0.9)
+  spacer = np.ones([size, 8, 3])
+  row = np.concatenate(sum(([p, spacer] for p in panels), []) + [chart], axis=1)
+  return (np.clip(row, 0, 1) * 255).round().astype(np.uint8)
+
+
+def routing_grids(couplings, prediction, grid, types):
+  """The coupling coefficients to the predicted digit capsule of each
+  routing iteration, averaged over the capsule types at each position.
+
+  Args:
+    couplings: `num_iters` arrays `[in_caps, num_classes]` for one image,
+      `in_caps` ordered (row, column, type) as PrimaryCaps makes them.
+    grid: PrimaryCaps rows = columns (6); types: capsule types (32).
+  Returns: `num_iters` arrays `[grid, grid]`.
+  """
+  return [c[:, prediction].reshape(grid, grid, types).mean(axis=2) for c in couplings]
+
+
+def mean_entropy(c):
+  """Mean over input capsules of the entropy (nats) of `c [in_caps, classes]`."""
+  return float(-(c * np.log(c + 1e-12)).sum(axis=1).mean())
+
+
+def routing_figure(image, grids, entropies, kernels=(9, 9), stride=2, zoom=6):
+  """One panel per routing iteration: the input in grey and, over each
+  PrimaryCaps position (the centre of its receptive field in the input), a
+  red square whose strength goes from none at the smallest mean coupling
+  over the panels to full at the largest; below, the iteration's mean
+  entropy H (nats) and that range of c.
+
+  Args:
+    image: `[28, 28]` uint8; grids: from `routing_grids`; entropies: floats.
+    kernels: (Conv1, PrimaryCaps) kernel sizes; stride: PrimaryCaps stride.
+  Returns: uint8 `[H, W, 3]`.
+  """
+  size = image.shape[0] * zoom
+  top = (kernels[0] + kernels[1] - 2) // 2      # centre of position (0, 0)
+  low = min(g.min() for g in grids)
+  high = max(g.max() for g in grids)
+  panels = []
+  for grid, entropy in zip(grids, entropies):
+    panel = np.repeat(np.kron(image / 255.0, np.ones([zoom, zoom]))[..., None], 3, 2)
+    panel = 0.15 + 0.7 * panel
+    for (i, j), value in np.ndenumerate(grid):
+      y, x = (top + stride * i - 1) * zoom, (top + stride * j - 1) * zoom
+      a = 0.75 * (value - low) / (high - low) if high > low else 0.0
+      cell = panel[y:y + stride * zoom, x:x + stride * zoom]
+      cell[:] = (1 - a) * cell + a * np.array([0.95, 0.1, 0.1])
+    label = np.ones([16, size, 3])
+    _paint(label, text(f"H={entropy:.3f} c={low:.3f}-{high:.3f}".replace("0.", "."),
+                       scale=2), 3, 4, (0, 0, 0))
+    panels += [np.concatenate([panel, label], axis=0), np.ones([size + 16, 8, 3])]
+  row = np.concatenate(panels[:-1], axis=1)
+  return (np.clip(row, 0, 1) * 255).round().astype(np.uint8)
+
+
+def encode_png(array):
+  """uint8 `[H, W, C]` -> PNG bytes."""
+  return _evaluate(lambda: tf.io.encode_png(array))
+
+
+def _evaluate(make):
+  """The value of the tensor `make()` builds, eagerly or, in graph mode
+  (tf.compat.v1 programs), in a graph and session of its own."""
+  if tf.executing_eagerly():
+    return make().numpy()
+  with tf.Graph().as_default(), tf.compat.v1.Session() as sess:
+    return sess.run(make())

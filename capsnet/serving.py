@@ -1,0 +1,79 @@
+"""The trained model as a function of uint8 images: for eval.py's own-image
+mode and as a TensorFlow SavedModel that loads without this project's code.
+
+    python eval.py --checkpoint pretrained/r3_recon --export_savedmodel /tmp/capsnet
+    saved_model_cli show --all --dir /tmp/capsnet
+
+The signature `serving_default` takes `images`, uint8 `[N, H, W, C]` (28x28x1
+for MNIST, white ink on black as MNIST has it), and returns `classes` (int32
+`[N]`), `lengths` (float32 `[N, num_classes]`, the capsule lengths) and,
+with the decoder, `reconstructions` (float32 `[N, H*W*C]` in [0, 1], from the
+predicted class's capsule).
+"""
+import os
+
+import numpy as np
+import tensorflow as tf
+
+from capsnet import model
+from capsnet import runs
+
+
+def _graph(cfg):
+  """In the default graph: the images placeholder and the named outputs."""
+  shape = [None, cfg.image_size, cfg.image_size, cfg.image_channels]
+  images = tf.compat.v1.placeholder(tf.uint8, shape, name="images")
+  x = tf.cast(images, tf.float32) / 255.0
+  out = model.forward(x, tf.zeros(tf.shape(images)[:1], tf.int32), cfg, training=False)
+  outputs = {"classes": tf.identity(out.predictions, name="classes"),
+             "lengths": tf.identity(out.lengths, name="lengths")}
+  if out.reconstructions is not None:
+    outputs["reconstructions"] = tf.identity(out.reconstructions, name="reconstructions")
+  return images, outputs, out.couplings
+
+
+def _restore(sess, ckpt):
+  """Restores the model's variables; RunError for another architecture."""
+  variables = tf.compat.v1.global_variables()
+  runs.check_matches(ckpt, variables)
+  tf.compat.v1.train.Saver(variables).restore(sess, ckpt)
+
+
+def classify(cfg, ckpt, images):
+  """Runs the model on uint8 `images [N, H, W, C]`.
+
+  Returns: dict of NumPy arrays: classes `[N]`, lengths `[N, classes]`,
+    reconstructions `[N, pixels]` (with the decoder), couplings
+    `[N, iter_routing, in_caps, classes]`.
+  """
+  with tf.Graph().as_default():
+    images_in, outputs, couplings = _graph(cfg)
+    outputs["couplings"] = tf.stack(couplings, axis=1)
+    with tf.compat.v1.Session() as sess:
+      _restore(sess, ckpt)
+      return sess.run(outputs, {images_in: images})
+
+
+def export(cfg, ckpt, folder):
+  """Writes a SavedModel (signature `serving_default`) of the checkpoint.
+
+  Raises: RunError if `folder` exists or the checkpoint does not fit.
+  """
+  if os.path.exists(folder):
+    raise runs.RunError(f"--export_savedmodel={folder}: exists; give a new folder")
+  with tf.Graph().as_default():
+    images, outputs, _ = _graph(cfg)
+    with tf.compat.v1.Session() as sess:
+      _restore(sess, ckpt)
+      signature = tf.compat.v1.saved_model.predict_signature_def(
+          inputs={"images": images}, outputs=outputs)
+      builder = tf.compat.v1.saved_model.Builder(folder)
+      builder.add_meta_graph_and_variables(
+          sess, [tf.compat.v1.saved_model.tag_constants.SERVING],
+          signature_def_map={"serving_default": signature}, strip_default_attrs=True)
+      builder.save()
+
+
+def as_uint8(images):
+  """[0, 1] floats (as the input pipeline gives) -> uint8 for the signature."""
+  return (np.asarray(images) * 255).round().astype(np.uint8)

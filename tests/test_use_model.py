@@ -1,0 +1,185 @@
+"""Using a trained model: your own images, the routing picture, the
+SavedModel. One small trained run is shared; the own-image accuracy test
+uses the shipped weights (pretrained/)."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from capsnet import evaluation
+from capsnet import input as data
+from capsnet import pictures
+from capsnet import runs
+from capsnet import serving
+from conftest import MNIST, ROOT, SMALL, cli, last_line, needs_mnist
+
+PRETRAINED = os.path.join(ROOT, "pretrained", "r3_recon")
+needs_pretrained = pytest.mark.skipif(
+    not os.path.exists(os.path.join(PRETRAINED, "config.json")),
+    reason=f"no shipped weights in {PRETRAINED}")
+
+
+@pytest.fixture(scope="module")
+def small_run(tmp_path_factory):
+  """One epoch of 50 steps on 1,600 images (about 80% validation accuracy)."""
+  logdir = str(tmp_path_factory.mktemp("small") / "run")
+  proc = cli("train.py", *SMALL, f"--logdir={logdir}", "--epochs=1",
+             "--train_size=1600", "--learning_rate=0.01")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return logdir
+
+
+@pytest.fixture(scope="module")
+def test_digits():
+  return data.load("mnist", MNIST, 5000, download_missing=False)["test"]
+
+
+def write_as_photos(digits, folder, seed=0):
+  """MNIST digits as a person might photograph them: dark on light, 3x
+  larger, off centre on a wider canvas. Returns the paths."""
+  rng = np.random.RandomState(seed)
+  paths = []
+  for k, digit in enumerate(digits):
+    canvas = np.full([124, 134], 255, np.uint8)
+    top, left = rng.randint(0, 40), rng.randint(0, 50)
+    canvas[top:top + 84, left:left + 84] = 255 - np.kron(digit[..., 0], np.ones([3, 3]))
+    path = os.path.join(folder, f"digit{k:03d}.png")
+    with open(path, "wb") as f:
+      f.write(pictures.encode_png(canvas[..., None]))
+    paths.append(path)
+  return paths
+
+
+def test_preprocess_makes_an_mnist_digit(tmp_path):
+  """A light-on-dark RGB bar, any size: grey, white on black, in the 20x20
+  box (keeping its aspect ratio), centre of mass at the field's centre."""
+  image = np.zeros([60, 90, 3], np.uint8)
+  image[10:50, 20:30] = (250, 240, 230)         # a 40x10 bar, off centre
+  path = str(tmp_path / "bar.png")
+  with open(path, "wb") as f:
+    f.write(pictures.encode_png(image))
+  digit = pictures.preprocess(path)[..., 0].astype(float)
+  assert digit.shape == (28, 28)
+  rows, cols = np.nonzero(digit > 0)
+  assert rows.max() - rows.min() + 1 == 20 and cols.max() - cols.min() + 1 == 5
+  com = [(digit.sum(1) * np.arange(28)).sum() / digit.sum(),
+         (digit.sum(0) * np.arange(28)).sum() / digit.sum()]
+  np.testing.assert_allclose(com, [13.5, 13.5], atol=0.5)
+  inverted = 255 - image
+  with open(path, "wb") as f:
+    f.write(pictures.encode_png(inverted))
+  np.testing.assert_array_equal(pictures.preprocess(path)[..., 0], digit)
+  (tmp_path / "blank.png").write_bytes(pictures.encode_png(np.full([9, 9, 1], 200, np.uint8)))
+  with pytest.raises(pictures.ImageError, match="blank.png: no ink found"):
+    pictures.preprocess(str(tmp_path / "blank.png"))
+
+
+@needs_mnist
+@needs_pretrained
+def test_photographed_test_digits_classified_as_the_originals(tmp_path, test_digits):
+  images, _ = test_digits
+  paths = write_as_photos(images[:100], str(tmp_path))
+  ckpt, run = runs.resolve(PRETRAINED, "best")
+  cfg = runs.load_config(run)[0]
+  original = serving.classify(cfg, ckpt, images[:100])["classes"]
+  photos = serving.classify(cfg, ckpt, np.stack([pictures.preprocess(p) for p in paths]))
+  assert (photos["classes"] == original).sum() >= 98
+
+
+@needs_mnist
+def test_images_cli_prints_writes_and_reports_bad_files(small_run, test_digits, tmp_path):
+  images, _ = test_digits
+  paths = write_as_photos(images[:3], str(tmp_path))
+  bad = tmp_path / "broken.png"
+  bad.write_bytes(b"not an image")
+  out = tmp_path / "out"
+  proc = cli("eval.py", f"--checkpoint={small_run}", "--images", paths[0], str(bad),
+             *paths[1:], f"--out_dir={out}", "--json")
+  assert proc.returncode == 1                      # one file failed...
+  assert last_line(proc) == (f"eval.py: error: {bad}: cannot read or decode the image "
+                             "(Unknown image file format. One of JPEG, JPEG XL, PNG, "
+                             "GIF, BMP, WebP required.)")
+  report = json.loads(proc.stdout)                  # ...the others were classified
+  assert [r["file"] for r in report] == paths
+  ckpt, run = runs.resolve(small_run, "best")
+  cfg = runs.load_config(run)[0]
+  expected = serving.classify(cfg, ckpt, np.stack([pictures.preprocess(p) for p in paths]))
+  assert [r["class"] for r in report] == expected["classes"].tolist()
+  np.testing.assert_allclose([r["lengths"] for r in report], expected["lengths"], atol=1e-6)
+  for r in report:
+    for png in r["pictures"]:
+      with tf.Graph().as_default(), tf.compat.v1.Session() as sess:
+        picture = sess.run(tf.io.decode_png(open(png, "rb").read()))
+      assert picture.shape[2] == 3 and picture.shape[0] in (112, 28 * 6 + 16)
+  proc = cli("eval.py", f"--checkpoint={small_run}", "--images", paths[0],
+             f"--out_dir={out}")
+  assert proc.returncode == 0
+  assert proc.stdout.startswith(f"{paths[0]}: {report[0]['class']}  lengths ")
+
+
+@needs_mnist
+def test_routing_picture_draws_the_models_coefficients(small_run, test_digits):
+  images, labels = test_digits
+  ckpt, run = runs.resolve(small_run, "best")
+  cfg = runs.load_config(run)[0]
+  drawn = serving.classify(cfg, ckpt, images[:2])            # what eval.py draws
+  with tf.Graph().as_default(), tf.compat.v1.Session() as sess:
+    ev = evaluation.build(cfg, 2)
+    tf.compat.v1.train.Saver().restore(sess, ckpt)
+    sess.run(ev.iterator.initializer, {ev.images: images[:2], ev.labels: labels[:2]})
+    graph_c, preds = sess.run([ev.outputs.couplings, ev.outputs.predictions])
+  np.testing.assert_array_equal(drawn["classes"], preds)
+  for k in range(2):
+    cs = drawn["couplings"][k]                                 # [r, in_caps, classes]
+    assert cs.shape == (cfg.iter_routing, cfg.in_caps, cfg.num_classes)
+    np.testing.assert_allclose(cs.sum(axis=2), 1.0, atol=1e-5)
+    for r in range(cfg.iter_routing):
+      np.testing.assert_allclose(cs[r], graph_c[r][k], atol=1e-6)
+    grids = pictures.routing_grids(cs, preds[k], cfg.primary_size, cfg.primary_types)
+    expected = graph_c[-1][k][:, preds[k]].reshape(6, 6, cfg.primary_types).mean(axis=2)
+    np.testing.assert_allclose(grids[-1], expected, atol=1e-6)
+    figure = pictures.routing_figure(images[k, ..., 0], grids,
+                                     [pictures.mean_entropy(c) for c in cs])
+    assert figure.shape == (28 * 6 + 16, 3 * 28 * 6 + 2 * 8, 3)
+
+
+@needs_mnist
+def test_savedmodel_loads_without_project_code(small_run, test_digits, tmp_path):
+  images, _ = test_digits
+  folder = str(tmp_path / "savedmodel")
+  proc = cli("eval.py", f"--checkpoint={small_run}", f"--export_savedmodel={folder}")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  proc = cli("eval.py", f"--checkpoint={small_run}", f"--export_savedmodel={folder}")
+  assert last_line(proc) == (f"eval.py: error: --export_savedmodel={folder}: exists; "
+                             "give a new folder")
+  np.save(tmp_path / "images.npy", images[:100])
+  script = f"""
+import sys
+import numpy as np
+import tensorflow as tf
+assert not any(m.startswith("capsnet") for m in sys.modules)
+assert {ROOT!r} not in sys.path
+f = tf.saved_model.load({folder!r}).signatures["serving_default"]
+out = f(images=tf.constant(np.load({str(tmp_path / 'images.npy')!r})))
+np.savez({str(tmp_path / 'out.npz')!r}, **{{k: v.numpy() for k, v in out.items()}})
+"""
+  env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+  done = subprocess.run([sys.executable, "-I", "-c", script], cwd=str(tmp_path), env=env,
+                        capture_output=True, text=True, timeout=300)
+  assert done.returncode == 0, done.stderr[-3000:]
+  out = np.load(tmp_path / "out.npz")
+  assert out["reconstructions"].shape == (100, 784)
+  proc = cli("eval.py", f"--checkpoint={small_run}", f"--out_dir={tmp_path}/eval")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  lines = open(tmp_path / "eval" / "predictions.csv").read().splitlines()[1:101]
+  table = np.array([[float(x) for x in l.split(",")] for l in lines])
+  np.testing.assert_array_equal(out["classes"], table[:, 2].astype(int))
+  np.testing.assert_allclose(out["lengths"], table[:, 3:], atol=1e-5)
+  shown = subprocess.run([os.path.join(os.path.dirname(sys.executable), "saved_model_cli"),
+                          "show", "--all", "--dir", folder], capture_output=True, text=True)
+  assert "signature_def['serving_default']" in shown.stdout
+  assert "inputs['images'] tensor_info:\n        dtype: DT_UINT8" in shown.stdout
