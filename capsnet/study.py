@@ -319,14 +319,18 @@ def plot_diagnostic(rows, path):
   _save(plt, fig, path)
 
 
-def report(rows, folder):
+TITLES = {"stop_gradient": "CapsNet on MNIST: routing variants",
+          "table1": "CapsNet on MNIST: the rows of Table 1"}
+
+
+def report(rows, folder, title=TITLES["stop_gradient"]):
   """results.md, results.json and the plots in `folder`."""
   os.makedirs(folder, exist_ok=True)
   table = markdown(rows)
   files.atomic_write(os.path.join(folder, "results.md"), table)
   files.write_json(os.path.join(folder, "results.json"), rows)
   if rows:
-    plot(rows, os.path.join(folder, "val_error.png"))
+    plot(rows, os.path.join(folder, "val_error.png"), title)
   if any(r["iter_routing"] > 1 for r in rows):
     plot_diagnostic(rows, os.path.join(folder, "diagnostic.png"))
   return table
@@ -383,9 +387,9 @@ def main(argv):
     elif FLAGS.train:
       run_one(grid[name], seed, folder, dict(settings, decay_steps=decay_steps), extra)
   rows = summarize(FLAGS.out, FLAGS.grid, variants, seeds, FLAGS.epochs, schedules)
-  table = report(rows, FLAGS.out)
+  table = report(rows, FLAGS.out, TITLES[FLAGS.grid])
   if FLAGS.publish:
-    report(rows, FLAGS.publish)
+    report(rows, FLAGS.publish, TITLES[FLAGS.grid])
     publish(FLAGS.out, rows, FLAGS.publish)
   print(table)
 
