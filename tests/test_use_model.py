@@ -183,3 +183,26 @@ np.savez({str(tmp_path / 'out.npz')!r}, **{{k: v.numpy() for k, v in out.items()
                           "show", "--all", "--dir", folder], capture_output=True, text=True)
   assert "signature_def['serving_default']" in shown.stdout
   assert "inputs['images'] tensor_info:\n        dtype: DT_UINT8" in shown.stdout
+
+
+@needs_mnist
+def test_shipped_weights_are_the_model_variables_only(small_run, test_digits, tmp_path):
+  from capsnet import pretrained
+  out = str(tmp_path / "shipped")
+  prefix = pretrained.ship(small_run, out)
+  ckpt, run = runs.resolve(small_run, "best")
+  assert prefix == os.path.join(out, "best", os.path.basename(ckpt))
+  shipped = dict(tf.train.list_variables(prefix))
+  model_vars = {n: s for n, s in tf.train.list_variables(ckpt)
+                if n.startswith("capsnet/") and "Adam" not in n}
+  assert shipped == model_vars                      # no slots, no run state
+  saved = json.load(open(os.path.join(out, "config.json")))
+  assert saved["shipped_from"]["step"] == int(ckpt.rsplit("-", 1)[1])
+  images = test_digits[0][:50]
+  cfg = runs.load_config(run)[0]
+  np.testing.assert_array_equal(
+      serving.classify(runs.load_config(out)[0], *runs.resolve(out, "best")[:1],
+                       images)["classes"],
+      serving.classify(cfg, ckpt, images)["classes"])
+  with pytest.raises(runs.RunError, match=f"--out={out}: exists; give a new folder"):
+    pretrained.ship(small_run, out)
