@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -53,6 +54,21 @@ def cli(script, *args, timeout=300, tf_log_level="3", **kwargs):
   return subprocess.run([sys.executable, os.path.join(ROOT, script), *args],
                         capture_output=True, text=True, timeout=timeout, env=env,
                         cwd=ROOT, **kwargs)
+
+
+def start(script, *args, **popen_kwargs):
+  """Starts `python <script> <args>` as `cli` runs it, without waiting."""
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=ROOT)
+  return subprocess.Popen([sys.executable, os.path.join(ROOT, script), *args],
+                          env=env, cwd=ROOT, **popen_kwargs)
+
+
+def wait_until(condition, timeout=120, poll=0.05, proc=None):
+  """Polls `condition()` until it holds, `timeout` passes or `proc` ends."""
+  deadline = time.time() + timeout
+  while not condition() and time.time() < deadline and (proc is None or
+                                                           proc.poll() is None):
+    time.sleep(poll)
 
 
 def last_line(proc):

@@ -4,12 +4,11 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import tensorflow as tf
 
-from conftest import ROOT, SMALL, cli, last_line, needs_mnist
+from conftest import SMALL, cli, last_line, needs_mnist, start, wait_until
 
 
 def test_train_flag_error_is_one_line_and_writes_nothing(tmp_path):
@@ -33,14 +32,10 @@ def test_eval_error_is_one_line(tmp_path):
 @needs_mnist
 def test_sigint_saves_a_loadable_checkpoint(tmp_path):
   logdir = str(tmp_path / "sigint")
-  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=ROOT)
-  proc = subprocess.Popen(
-      [sys.executable, os.path.join(ROOT, "train.py"), *SMALL, f"--logdir={logdir}",
-       "--epochs=50", "--summary_every=1"],
-      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
-  deadline = time.time() + 120
-  while not glob.glob(os.path.join(logdir, "events.out.*")) and time.time() < deadline:
-    time.sleep(0.5)
+  proc = start("train.py", *SMALL, f"--logdir={logdir}", "--epochs=50",
+               "--summary_every=1", stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+               text=True)
+  wait_until(lambda: glob.glob(os.path.join(logdir, "events.out.*")), poll=0.5)
   time.sleep(1)   # into the first epoch
   proc.send_signal(signal.SIGINT)
   out, err = proc.communicate(timeout=120)

@@ -7,7 +7,6 @@ import random
 import re
 import signal
 import subprocess
-import sys
 import time
 
 import numpy as np
@@ -16,7 +15,7 @@ import tensorflow as tf
 
 import train
 from capsnet import runs
-from conftest import QUICK, ROOT, cli, last_line, listed, needs_mnist, rows
+from conftest import QUICK, cli, last_line, listed, needs_mnist, rows, start, wait_until
 from test_regression import _weights_sha256
 
 TIMING = ("wall_s", "images_per_sec")   # metrics fields that may differ
@@ -55,14 +54,10 @@ def test_second_ctrl_c_waits_for_the_checkpoint_being_written():
 @needs_mnist
 def test_ctrl_c_twice_no_traceback_and_listed_checkpoints_load(tmp_path):
   logdir = str(tmp_path / "run")
-  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=ROOT)
-  proc = subprocess.Popen(
-      [sys.executable, os.path.join(ROOT, "train.py"), *QUICK, f"--logdir={logdir}",
-       "--epochs=50", "--save_every=1"],
-      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
-  deadline = time.time() + 120
-  while not os.path.exists(os.path.join(logdir, "latest")) and time.time() < deadline:
-    time.sleep(0.05)
+  proc = start("train.py", *QUICK, f"--logdir={logdir}", "--epochs=50",
+               "--save_every=1", stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+               text=True)
+  wait_until(lambda: os.path.exists(os.path.join(logdir, "latest")))
   proc.send_signal(signal.SIGINT)
   time.sleep(0.02)
   proc.send_signal(signal.SIGINT)
@@ -83,22 +78,18 @@ def test_sigkill_at_random_moments_changes_nothing(tmp_path):
   proc = cli("train.py", *args, f"--logdir={reference}")
   assert proc.returncode == 0, proc.stderr[-3000:]
   logdir = str(tmp_path / "killed")
-  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=ROOT)
   rng = random.Random(0)
   kills = 0
-  for attempt in range(4):
-    start = _latest_step(logdir)
-    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), *args,
-                             f"--logdir={logdir}"], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, env=env, cwd=ROOT)
-    deadline = time.time() + 120
+  for attempt in range(3):
+    start_step = _latest_step(logdir)
+    proc = start("train.py", *args, f"--logdir={logdir}", stdout=subprocess.DEVNULL,
+                 stderr=subprocess.DEVNULL)
     if attempt == 0:   # while a checkpoint is being written
-      done = lambda: glob.glob(os.path.join(logdir, "latest", "*temp*"))
+      wait_until(lambda: glob.glob(os.path.join(logdir, "latest", "*temp*")),
+                 poll=0.001, proc=proc)
     else:              # a few steps on, at a random moment of a step
-      target = start + rng.randint(2, 6)
-      done = lambda: _latest_step(logdir) >= target
-    while not done() and time.time() < deadline and proc.poll() is None:
-      time.sleep(0.001)
+      target = start_step + rng.randint(2, 5)
+      wait_until(lambda: _latest_step(logdir) >= target, poll=0.001, proc=proc)
     time.sleep(0 if attempt == 0 else rng.uniform(0.0, 0.05))
     if proc.poll() is None:
       proc.kill()
