@@ -1,6 +1,8 @@
 """Shared fixtures and helpers: graph mode once, a tiny float64 config, the
 small model's command-line flags and a runner for train.py / eval.py."""
+import contextlib
 import glob
+import io
 import json
 import os
 import subprocess
@@ -54,6 +56,26 @@ def cli(script, *args, timeout=300, tf_log_level="3", **kwargs):
   return subprocess.run([sys.executable, os.path.join(ROOT, script), *args],
                         capture_output=True, text=True, timeout=timeout, env=env,
                         cwd=ROOT, **kwargs)
+
+
+def train_here(*args):
+  """Runs train.py's `main` in this process with these flags: what `cli`
+  does for train.py, without a new process's TensorFlow start-up (seconds
+  each). Returns a CompletedProcess (exit status, stdout, stderr)."""
+  import train  # defines train.py's flags (no test imports eval.py's)
+  from absl import flags
+  flags.FLAGS.unparse_flags()
+  flags.FLAGS(["train.py", *args])
+  out, err, code = io.StringIO(), io.StringIO(), 0
+  with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    try:
+      train.main(["train.py"])
+    except SystemExit as e:   # sys.exit(message) prints it and exits with 1
+      code = e.code if isinstance(e.code, int) or e.code is None else 1
+      if isinstance(e.code, str):
+        print(e.code, file=err)
+  return subprocess.CompletedProcess(["train.py", *args], code or 0, out.getvalue(),
+                                     err.getvalue())
 
 
 def start(script, *args, **popen_kwargs):

@@ -11,7 +11,7 @@ import pytest
 
 import train
 from capsnet import model
-from conftest import QUICK, ROOT, cli, last_line, needs_mnist
+from conftest import QUICK, ROOT, last_line, needs_mnist, train_here
 
 
 def test_tensorflow_start_up_notices_hidden_unless_asked_for(tmp_path):
@@ -82,12 +82,12 @@ def test_logdir_in_a_read_only_folder(small_disk):
 @needs_mnist
 def test_image_size_the_data_does_not_have_leaves_nothing(tmp_path):
   logdir = tmp_path / "run"
-  proc = cli("train.py", *QUICK, "--image_size=32", f"--logdir={logdir}")
+  proc = train_here(*QUICK, "--image_size=32", f"--logdir={logdir}")
   assert proc.returncode == 1
   assert last_line(proc) == ("train.py: error: --dataset=mnist has 28x28x1 images, "
                              "the model takes 32x32x1 (--image_size, --image_channels)")
   assert not logdir.exists()
-  proc = cli("train.py", *QUICK, "--num_classes=5", f"--logdir={logdir}")
+  proc = train_here(*QUICK, "--num_classes=5", f"--logdir={logdir}")
   assert last_line(proc) == ("train.py: error: --dataset=mnist has labels up to 9, the "
                              "model has --num_classes=5")
   assert not logdir.exists()

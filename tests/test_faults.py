@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 
 from capsnet import runs
-from conftest import QUICK, cli, last_line, listed, needs_mnist, rows
+from conftest import QUICK, cli, last_line, listed, needs_mnist, rows, train_here
 
 
 @pytest.fixture(scope="module")
@@ -18,8 +18,8 @@ def quick_run(tmp_path_factory):
   """Two epochs (20 steps), a latest checkpoint every 5 steps; the model
   asked for on /gpu:0, which this machine does not have."""
   logdir = str(tmp_path_factory.mktemp("quick") / "run")
-  proc = cli("train.py", *QUICK, f"--logdir={logdir}", "--epochs=2", "--save_every=5",
-             "--device=/gpu:0", tf_log_level=None)
+  proc = train_here(*QUICK, f"--logdir={logdir}", "--epochs=2", "--save_every=5",
+                    "--device=/gpu:0")
   assert proc.returncode == 0, proc.stderr[-3000:]
   return logdir, proc
 
@@ -53,7 +53,7 @@ def test_damaged_newest_checkpoint_falls_back_to_an_intact_one(quick_run, tmp_pa
     with open(data_file, "r+b") as f:
       f.truncate(os.path.getsize(data_file) // 2)
   best_before = sorted(os.listdir(os.path.join(logdir, "best")))
-  proc = cli("train.py", *QUICK, f"--logdir={logdir}", "--epochs=2")
+  proc = train_here(*QUICK, f"--logdir={logdir}", "--epochs=2")
   assert proc.returncode == 0, proc.stderr[-3000:]
   out = proc.stdout.splitlines()
   assert any(re.fullmatch(rf"{latest}/model\.ckpt-20: damaged \(.+\); passed over", l)
@@ -75,7 +75,7 @@ def test_no_intact_checkpoint_stops_in_one_line_and_deletes_nothing(quick_run, t
     with open(index, "r+b") as f:
       f.truncate(10)
   before = sorted(glob.glob(os.path.join(logdir, "**"), recursive=True))
-  proc = cli("train.py", *QUICK, f"--logdir={logdir}", "--epochs=3")
+  proc = train_here(*QUICK, f"--logdir={logdir}", "--epochs=3")
   assert proc.returncode == 1
   assert last_line(proc) == (f"train.py: error: {logdir}: no intact checkpoint "
                              "(3 damaged); move the logdir away to start again")
@@ -129,7 +129,7 @@ def test_resume_of_a_checkpoint_without_the_epoch_sums(quick_run, tmp_path):
                                          write_state=False)
     assert "state/epoch_loss_sum" not in tf.train.load_checkpoint(prefix) \
         .get_variable_to_shape_map()
-  proc = cli("train.py", *QUICK, f"--logdir={logdir}", "--epochs=3")
+  proc = train_here(*QUICK, f"--logdir={logdir}", "--epochs=3")
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert f"Resuming from {latest}/model.ckpt-20" in proc.stdout
   assert [(r["epoch"], r["step"]) for r in rows(logdir)] == [(1, 10), (2, 20), (3, 30)]

@@ -15,7 +15,8 @@ import tensorflow as tf
 
 import train
 from capsnet import runs
-from conftest import QUICK, cli, last_line, listed, needs_mnist, rows, start, wait_until
+from conftest import (QUICK, last_line, listed, needs_mnist, rows, start, train_here,
+                      wait_until)
 from test_regression import _weights_sha256
 
 TIMING = ("wall_s", "images_per_sec")   # metrics fields that may differ
@@ -25,7 +26,7 @@ TIMING = ("wall_s", "images_per_sec")   # metrics fields that may differ
 def test_full_disk_while_saving_ends_in_one_line_and_listed_checkpoints_load(small_disk):
   folder, _ = small_disk
   logdir = str(folder / "run")
-  proc = cli("train.py", *QUICK, f"--logdir={logdir}", "--epochs=50", "--save_every=1",
+  proc = train_here(*QUICK, f"--logdir={logdir}", "--epochs=50", "--save_every=1",
              "--summary_every=1000")
   assert proc.returncode == 1, proc.stderr[-3000:]
   assert re.fullmatch(r"train\.py: error: could not write the checkpoint of step \d+ "
@@ -75,7 +76,7 @@ def test_sigkill_at_random_moments_changes_nothing(tmp_path):
   bit, and its metrics rows (timing aside)."""
   args = [*QUICK, "--epochs=3", "--save_every=1", "--summary_every=1000"]
   reference = str(tmp_path / "reference")
-  proc = cli("train.py", *args, f"--logdir={reference}")
+  proc = train_here(*args, f"--logdir={reference}")
   assert proc.returncode == 0, proc.stderr[-3000:]
   logdir = str(tmp_path / "killed")
   rng = random.Random(0)
@@ -96,7 +97,7 @@ def test_sigkill_at_random_moments_changes_nothing(tmp_path):
       kills += 1
     proc.wait()
   assert kills >= 3
-  proc = cli("train.py", *args, f"--logdir={logdir}")
+  proc = train_here(*args, f"--logdir={logdir}")
   assert proc.returncode == 0, proc.stderr[-3000:]
   ckpt = lambda d: tf.train.latest_checkpoint(os.path.join(d, "latest"))
   assert ckpt(logdir).endswith("-30") and ckpt(reference).endswith("-30")

@@ -16,7 +16,7 @@ import tensorflow as tf
 from capsnet import input as data
 from capsnet import model
 from capsnet import runs
-from conftest import MNIST, SMALL, TINY, cli, last_line, needs_mnist
+from conftest import MNIST, SMALL, TINY, cli, last_line, needs_mnist, train_here
 
 def scalars(logdir, tag):
   values = []
@@ -32,7 +32,7 @@ def scalars(logdir, tag):
 def run_dir(tmp_path_factory):
   """One epoch of 50 steps on 1,600 images with two towers on the CPU."""
   logdir = str(tmp_path_factory.mktemp("run"))
-  proc = cli("train.py", *SMALL, f"--logdir={logdir}", "--epochs=1",
+  proc = train_here(*SMALL, f"--logdir={logdir}", "--epochs=1",
              "--train_size=1600", "--learning_rate=0.01", "--summary_every=5",
              "--num_gpus=2", "--device=/cpu:0", "--diag_every=25")
   assert proc.returncode == 0, proc.stderr[-3000:]
@@ -95,7 +95,7 @@ def test_resume_continues_step_and_optimizer_state(run_dir, tmp_path):
   resumed = str(tmp_path / "resumed")
   shutil.copytree(logdir, resumed)
   # precision and conv_impl (RESUMABLE_CHANGES) may change on resume.
-  proc = cli("train.py", *SMALL, f"--logdir={resumed}", "--epochs=2",
+  proc = train_here(*SMALL, f"--logdir={resumed}", "--epochs=2",
              "--train_size=1600", "--learning_rate=0.01", "--num_gpus=2",
              "--device=/cpu:0", "--precision=bf16", "--conv_impl=conv2d")
   assert proc.returncode == 0, proc.stderr[-3000:]
@@ -118,7 +118,7 @@ def test_resume_continues_step_and_optimizer_state(run_dir, tmp_path):
 def test_refuses_logdir_of_another_architecture(run_dir):
   logdir, _ = run_dir
   before = sorted(os.listdir(os.path.join(logdir, "latest")))
-  proc = cli("train.py", *SMALL, "--primary_types=8", f"--logdir={logdir}")
+  proc = train_here(*SMALL, "--primary_types=8", f"--logdir={logdir}")
   assert proc.returncode != 0
   assert last_line(proc) == (
       f"train.py: error: {logdir}/config.json has primary_types=4, the flags give 8: "
@@ -138,7 +138,7 @@ def test_nan_loss_stops_without_touching_checkpoints(run_dir, tmp_path):
   open(path, "w").write(json.dumps(saved))
   latest = os.path.join(logdir, "latest")
   before = {f: open(os.path.join(latest, f), "rb").read() for f in os.listdir(latest)}
-  proc = cli("train.py", *SMALL, f"--logdir={logdir}", "--epochs=2",
+  proc = train_here(*SMALL, f"--logdir={logdir}", "--epochs=2",
              "--train_size=1600", "--learning_rate=1e12", "--num_gpus=2",
              "--device=/cpu:0")
   assert proc.returncode != 0
