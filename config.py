@@ -33,10 +33,12 @@ _MODEL_HELP = {
     "dtype": "variable and routing dtype: float32 or float64",
     "precision": "fp32, or bf16: convolutions and decoder matmuls in bfloat16 "
                  "(mixed; variables, u_hat, routing and losses in float32)",
-    "conv_impl": "convolution gradients: custom_grad (strided ones as stride-1 "
-                 "convolutions, in bf16 also the strided forward over 4 images "
-                 "side by side; Conv1's filter gradient as one GEMM; faster) "
-                 "or conv2d (TensorFlow's conv2d and gradients)",
+    "conv_impl": "how the convolutions are computed: custom_grad (strided "
+                 "gradients as stride-1 convolutions, in bf16 also the strided "
+                 "forward over 4 images side by side; Conv1's filter gradient as "
+                 "one GEMM; fast on CPU), conv2d (TensorFlow's conv2d and "
+                 "gradients; cuDNN on a GPU) or auto (custom_grad on the CPU, "
+                 "conv2d on a GPU)",
 }
 
 

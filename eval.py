@@ -197,6 +197,7 @@ def evaluate(cfg, ckpt, images, labels, s):
     runs.check_matches(ckpt, variables)
     saver = tf.compat.v1.train.Saver(variables)
     proto = tf.compat.v1.ConfigProto(allow_soft_placement=True)
+    proto.gpu_options.allow_growth = True
     with tf.compat.v1.Session(config=proto) as sess:
       saver.restore(sess, ckpt)
       res = evaluation.run(sess, ev, images, labels)

@@ -309,7 +309,7 @@ def build_graph(cfg, s, devices, fixed_batch):
       with tf.compat.v1.device(devices[0]), tf.name_scope("diagnostic"):
         diag = model.gradient_diagnostic(
             tf.constant(fixed_batch[0], tf.float32) / 255.0,
-            tf.constant(fixed_batch[1]), cfg)
+            tf.constant(fixed_batch[1]), cfg, devices[0])
     state.add_epoch_sums()
     saver_latest = tf.compat.v1.train.Saver(max_to_keep=2, save_relative_paths=True)
     saver_best = tf.compat.v1.train.Saver(max_to_keep=1, save_relative_paths=True)
@@ -346,6 +346,7 @@ def _summaries(out, images, lr):
 def session_config(devices, log_device_placement=False):
   proto = tf.compat.v1.ConfigProto(allow_soft_placement=True,
                                    log_device_placement=log_device_placement)
+  proto.gpu_options.allow_growth = True   # take GPU memory as needed, not all
   cpus = sum(d.lower().startswith("/cpu") for d in devices)
   if cpus > 1:   # towers on logical CPU devices
     proto.device_count["CPU"] = cpus

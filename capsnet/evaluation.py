@@ -25,7 +25,8 @@ def build(cfg, batch_size, device=None):
                            batch_size, name="eval_input")
   batch_images, batch_labels = pipe.batch
   with tf.compat.v1.device(device), tf.name_scope("eval"):
-    outputs = model.forward(batch_images, batch_labels, cfg, training=False)
+    outputs = model.forward(batch_images, batch_labels, cfg, training=False,
+                            device=device)
   return EvalGraph(pipe.images, pipe.labels, pipe.iterator, outputs, batch_images)
 
 

@@ -2,7 +2,10 @@
 `tf.nn.conv2d`, computed in forms that oneDNN runs fast.
 
 One entry point, `conv2d(x, w, bias, stride, method, relu)`, and one place
-that chooses the method, `choose_method`. The methods:
+that chooses: `resolve_impl` turns the config's `conv_impl` ("auto":
+these forms on the CPU, TensorFlow's on a GPU, where cuDNN's strided
+gradients are fast) into "custom_grad" or "conv2d" for a device, and
+`choose_method` picks each convolution's method. The methods:
 
 - "conv2d": TensorFlow's convolution and its own gradients.
 - "patch_gemm" (stride 1): the filter and bias gradients are one GEMM of the
@@ -38,11 +41,30 @@ MAX_GEMM_PATCH = 256
 FOLD = 4
 
 
+IMPLS = ("auto", "custom_grad", "conv2d")
+
+
+def resolve_impl(conv_impl, device=None):
+  """"custom_grad" or "conv2d" for a model placed on `device`.
+
+  "auto" is "conv2d" on a GPU device (e.g. "/gpu:0", "/device:GPU:1") and
+  "custom_grad" anywhere else (the CPU, or no device given).
+  Raises: ValueError for an unknown `conv_impl`.
+  """
+  if conv_impl not in IMPLS:
+    raise ValueError(f"conv_impl must be one of {IMPLS}, got {conv_impl!r}")
+  if conv_impl != "auto":
+    return conv_impl
+  on_gpu = device is not None and "gpu" in device.lower()
+  return "conv2d" if on_gpu else "custom_grad"
+
+
 def choose_method(conv_impl, dtype, stride, patch_size):
   """The method for one convolution; the only place that decides.
 
   Args:
-    conv_impl: "custom_grad" (the fast forms below) or "conv2d".
+    conv_impl: "custom_grad" (the fast forms below) or "conv2d" (from
+      `resolve_impl`).
     dtype: the compute dtype of the convolution.
     stride: its stride.
     patch_size: kernel height * kernel width * input channels.

@@ -8,6 +8,7 @@ import dataclasses
 
 import tensorflow as tf
 
+from capsnet import fast_conv
 from capsnet import layers
 from capsnet import losses
 from capsnet import routing
@@ -36,7 +37,7 @@ class ModelConfig:
   recon_weight: float = 0.0005   # scales the *sum* of squared errors
   dtype: str = "float32"         # variables and routing: float32 or float64
   precision: str = "fp32"        # fp32, or bf16: convs and decoder matmuls in bfloat16
-  conv_impl: str = "custom_grad" # conv gradients: custom_grad (fast) or conv2d
+  conv_impl: str = "auto"        # convolutions: auto, custom_grad (fast on CPU) or conv2d
 
   def __post_init__(self):
     object.__setattr__(self, "decoder_units", tuple(self.decoder_units))
@@ -65,7 +66,7 @@ class ModelConfig:
         raise ValueError(f"ModelConfig.{name} must be >= 0, "
                          f"got {getattr(self, name)!r}")
     choices = {"dtype": ("float32", "float64"), "precision": ("fp32", "bf16"),
-               "conv_impl": ("custom_grad", "conv2d")}
+               "conv_impl": fast_conv.IMPLS}
     for name, allowed in choices.items():
       if getattr(self, name) not in allowed:
         raise ValueError(f"ModelConfig.{name} must be one of {allowed}, "
@@ -112,7 +113,7 @@ Outputs = collections.namedtuple("Outputs", [
 ])
 
 
-def forward(images, labels, cfg, training, digit_caps=layers.digit_caps):
+def forward(images, labels, cfg, training, digit_caps=layers.digit_caps, device=None):
   """Builds CapsNet on `images` in variable scope `capsnet` (AUTO_REUSE).
 
   Calling it again (another tower, an eval graph) reuses the same variables.
@@ -125,6 +126,7 @@ def forward(images, labels, cfg, training, digit_caps=layers.digit_caps):
       otherwise by the predicted class.
     digit_caps: the DigitCaps layer, with the signature and results of
       `layers.digit_caps` (the benchmark passes its naive baseline).
+    device: the device the model is placed on, for `conv_impl="auto"`.
   Returns: an `Outputs` tuple.
   Raises:
     ValueError: if `images` does not have the configured shape.
@@ -135,14 +137,15 @@ def forward(images, labels, cfg, training, digit_caps=layers.digit_caps):
                      f"{expected[1]}, {expected[2]}], got shape {images.shape}")
   dtype = tf.as_dtype(cfg.dtype)
   compute = _compute_dtype(cfg)
+  conv_impl = fast_conv.resolve_impl(cfg.conv_impl, device)
   images = tf.cast(images, dtype)
   labels = tf.cast(labels, tf.int32)
   with tf.compat.v1.variable_scope("capsnet", reuse=tf.compat.v1.AUTO_REUSE):
     x = layers.conv1(images, cfg.conv1_channels, cfg.conv1_kernel, compute,
-                     cfg.conv_impl)
+                     conv_impl)
     u = layers.primary_caps(x, cfg.primary_types, cfg.primary_dim,
                             cfg.primary_kernel, cfg.primary_stride, compute,
-                            cfg.conv_impl)            # [b, i, k]
+                            conv_impl)                # [b, i, k]
     v, couplings, u_hat = digit_caps(u, cfg.num_classes, cfg.digit_dim,
                                      cfg.iter_routing, cfg.stop_gradient)
     lengths = routing.safe_norm(v)                   # [b, o]
@@ -229,7 +232,8 @@ def tower_gradients(images, labels, cfg, optimizer, devices,
     var_device = device if n == 1 else variable_device
     with tf.compat.v1.device(_variable_device(var_device, device)), \
         tf.name_scope(f"tower_{i}"):
-      out = forward(image_parts[i], label_parts[i], cfg, training=True)
+      out = forward(image_parts[i], label_parts[i], cfg, training=True,
+                    device=device)
       all_grads.append(optimizer.compute_gradients(
           out.loss, colocate_gradients_with_ops=True))
       outputs.append(out)
@@ -264,7 +268,7 @@ def routing_entropy(c):
 DIAG_VARS = ("digit_caps/weights", "primary_caps/weights", "conv1/weights")
 
 
-def gradient_diagnostic(images, labels, cfg):
+def gradient_diagnostic(images, labels, cfg, device=None):
   """How much of the gradient flows through the routing coefficients.
 
   Builds the model twice on the same variables and batch, with the stop on
@@ -277,7 +281,7 @@ def gradient_diagnostic(images, labels, cfg):
   for stop in (True, False):
     mode = dataclasses.replace(cfg, stop_gradient=stop)
     with tf.name_scope(f"diag_stop_{stop}"):
-      out = forward(images, labels, mode, training=True)
+      out = forward(images, labels, mode, training=True, device=device)
     variables = {v.op.name: v for v in tf.compat.v1.trainable_variables()}
     targets = [variables["capsnet/" + n] for n in DIAG_VARS]
     grads[stop] = tf.gradients(out.loss, targets)

@@ -71,11 +71,22 @@ def test_choose_method(conv_impl, dtype, stride, patch, method):
   assert fast_conv.choose_method(conv_impl, dtype, stride, patch) == method
 
 
+@pytest.mark.parametrize("conv_impl,device,resolved", [
+    ("auto", None, "custom_grad"), ("auto", "/cpu:0", "custom_grad"),
+    ("auto", "/gpu:0", "conv2d"), ("auto", "/device:GPU:1", "conv2d"),
+    ("custom_grad", "/gpu:0", "custom_grad"), ("conv2d", "/cpu:0", "conv2d")])
+def test_resolve_impl_by_device(conv_impl, device, resolved):
+  assert fast_conv.resolve_impl(conv_impl, device) == resolved
+
+
 def test_unknown_or_mismatched_methods_raise():
   x, w, b = tf.zeros([1, 10, 10, 3]), tf.zeros([3, 3, 3, 4]), tf.zeros([4])
   with pytest.raises(ValueError, match="conv_impl must be 'custom_grad' or "
                      "'conv2d', got 'fft'"):
     fast_conv.choose_method("fft", tf.float32, 1, 9)
+  with pytest.raises(ValueError, match=r"conv_impl must be one of \('auto', "
+                     r"'custom_grad', 'conv2d'\), got 'fft'"):
+    fast_conv.resolve_impl("fft")
   with pytest.raises(ValueError, match=r"method must be one of \('conv2d', "
                      r"'patch_gemm', 'dilated', 'folded'\), got 'phases'"):
     fast_conv.conv2d(x, w, b, 2, "phases")

@@ -258,3 +258,55 @@ def test_gpu_placement_recorded_and_soft_placed_on_cpu():
       sess.run(tf.compat.v1.global_variables_initializer())
       loss = sess.run(outs[0].loss)
   assert np.isfinite(loss) and loss > 0
+
+
+def _ops_without_gpu_kernel(graph):
+  """Ops placed on a GPU for which the installed TensorFlow registers no
+  kernel of device type GPU or DEFAULT that accepts the op's dtypes."""
+  from tensorflow.python.framework import kernels
+  missing = []
+  for op in graph.get_operations():
+    if "GPU" not in op.device.upper():
+      continue
+    ok = False
+    for kernel in kernels.get_registered_kernels_for_op(op.type).kernel:
+      if kernel.device_type not in ("GPU", "DEFAULT"):
+        continue
+      fits = True
+      for constraint in kernel.constraint:
+        allowed = constraint.allowed_values.list.type
+        if allowed and op.get_attr(constraint.name) not in allowed:
+          fits = False
+      ok = ok or fits
+    if not ok:
+      missing.append(f"{op.type} ({op.name})")
+  return missing
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("conv_impl", ["auto", "custom_grad", "conv2d"])
+def test_training_graph_for_gpu_has_gpu_kernels(precision, conv_impl):
+  """The paper model's training step built for /gpu:0 (no GPU needed: the
+  wheel registers its GPU kernels anyway): every op there can run on a GPU."""
+  cfg = model.ModelConfig(precision=precision, conv_impl=conv_impl)
+  with tf.Graph().as_default() as graph:
+    images = tf.compat.v1.placeholder(tf.float32, [None, 28, 28, 1])
+    labels = tf.compat.v1.placeholder(tf.int32, [None])
+    opt = tf.compat.v1.train.AdamOptimizer(1e-3)
+    grads, _ = model.tower_gradients(images, labels, cfg, opt, ["/gpu:0"])
+    with tf.compat.v1.device("/gpu:0"):
+      opt.apply_gradients(grads)
+    on_gpu = [op for op in graph.get_operations() if "GPU" in op.device.upper()]
+    assert len(on_gpu) > 200
+    assert _ops_without_gpu_kernel(graph) == []
+    custom = any(op.type == "IdentityN" for op in on_gpu)   # custom gradients
+    assert custom == (conv_impl == "custom_grad")           # auto: cuDNN's
+
+
+def test_gpu_kernel_check_finds_an_op_without_one():
+  with tf.Graph().as_default() as graph:
+    blob, x = tf.constant(b""), tf.constant([1.0])
+    with tf.compat.v1.device("/gpu:0"):
+      tf.io.decode_png(blob, name="png")                  # a CPU-only kernel
+      tf.square(x, name="fine")
+    assert _ops_without_gpu_kernel(graph) == ["DecodePng (png)"]
