@@ -9,11 +9,14 @@ def margin_loss(lengths, labels, m_plus=0.9, m_minus=0.1, down_weight=0.5):
 
   Args:
     lengths: `[batch, num_classes]` capsule lengths, in [0, 1).
-    labels: `[batch]` int class ids.
+    labels: `[batch]` int class ids, or `[batch, k]` for k classes present
+      in each image (MultiMNIST: 2), each with T_k = 1.
     m_plus, m_minus, down_weight: m+, m- and lambda of Eq. 4.
   Returns: `[batch]` per-example loss.
   """
   t = tf.one_hot(labels, lengths.shape[-1], dtype=lengths.dtype)
+  if t.shape.rank == 3:   # several labels an image
+    t = tf.reduce_max(t, axis=1)
   present = tf.square(tf.nn.relu(m_plus - lengths))
   absent = tf.square(tf.nn.relu(lengths - m_minus))
   return tf.reduce_sum(t * present + down_weight * (1.0 - t) * absent, axis=-1)

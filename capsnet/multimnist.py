@@ -1,0 +1,133 @@
+"""MultiMNIST (Sabour et al. 2017, Section 6): two overlapping digits of
+different classes in one 36x36 image, generated from the MNIST splits.
+
+A digit is paired with a digit of another class from the same split; each
+is placed at the centre of a 36x36 canvas and shifted by its own uniform
+integer (dy, dx) in [-max_shift, max_shift] (the paper: 4; the official
+generator's README: 6), and the two are merged with `min(a + b, 255)`. Both
+shifted digits are kept: they are the reconstruction targets.
+
+- Training pairs are drawn on the fly (`training_pairs`, tf.data, stateless:
+  the pairs of batch k of an epoch follow from (seed, k) alone), so nothing of
+  the paper's 60M-image set is written to disk.
+- Validation and test pairs are fixed by a seed (`fixed_pairs`): one pair per
+  digit of the split, that digit first, so every digit is a first digit once.
+"""
+import numpy as np
+import tensorflow as tf
+
+CANVAS = 36
+MAX_SHIFT = 4
+
+
+def fixed_pairs(labels, seed, max_shift=MAX_SHIFT, num_classes=10):
+  """One pair per digit of a split: (first, second, shifts).
+
+  Args:
+    labels: `[n]` int labels of the split.
+  Returns:
+    first: `[n]` = arange(n); second: `[n]` indices of a digit of another
+    class (uniform over them); shifts: `[n, 2, 2]` int (digit, (dy, dx)).
+  """
+  rng = np.random.RandomState(seed)
+  labels = np.asarray(labels)
+  first = np.arange(len(labels))
+  offset = rng.randint(1, num_classes, len(labels))          # another class
+  partner_class = (labels + offset) % num_classes
+  by_class = [np.flatnonzero(labels == c) for c in range(num_classes)]
+  pick = rng.random_sample(len(labels))
+  second = np.array([by_class[c][int(p * len(by_class[c]))]
+                     for c, p in zip(partner_class, pick)])
+  shifts = rng.randint(-max_shift, max_shift + 1, (len(labels), 2, 2))
+  return first, second, shifts
+
+
+def place(digits, shifts, canvas=CANVAS):
+  """Digits `[n, 28, 28]` centred on a `canvas`-sized field, each shifted by
+  its (dy, dx) `[n, 2]` with zero fill (NumPy). Returns uint8 `[n, c, c]`."""
+  n, h, w = digits.shape
+  out = np.zeros([n, canvas, canvas], np.uint8)
+  top, left = (canvas - h) // 2, (canvas - w) // 2
+  for k in range(n):
+    dy, dx = shifts[k]
+    out[k, top + dy:top + dy + h, left + dx:left + dx + w] = digits[k]
+  return out
+
+
+def merge(a, b):
+  """The paper's merge: `min(a + b, 255)` of two uint8 images."""
+  return np.minimum(a.astype(np.int32) + b.astype(np.int32), 255).astype(np.uint8)
+
+
+def compose(images, labels, first, second, shifts):
+  """The MultiMNIST images of given pairs (NumPy).
+
+  Args:
+    images: `[n, 28, 28, 1]` uint8; labels: `[n]`; first, second: `[m]`
+      indices; shifts: `[m, 2, 2]`.
+  Returns: (merged `[m, 36, 36, 1]` uint8, targets `[m, 2, 36, 36, 1]` uint8
+    (the two shifted digits), labels `[m, 2]` int32).
+  """
+  a = place(images[first, ..., 0], shifts[:, 0])
+  b = place(images[second, ..., 0], shifts[:, 1])
+  targets = np.stack([a, b], axis=1)[..., None]
+  pair_labels = np.stack([labels[first], labels[second]], axis=1).astype(np.int32)
+  return merge(a, b)[..., None], targets, pair_labels
+
+
+def training_pairs(images, labels, first, seed, max_shift=MAX_SHIFT, num_classes=10):
+  """The pairs of one training batch, drawn in TensorFlow (stateless).
+
+  Args:
+    images: `[n, 28, 28, 1]` uint8 tensor (the whole training split);
+    labels: `[n]` int32 tensor, with every class present;
+    first: `[b]` int indices of the batch's first digits;
+    seed: int64 `[2]`: the same seed gives the same pairs and shifts.
+  Returns: (merged `[b, 36, 36, 1]` uint8, targets `[b, 2, 36, 36, 1]` uint8,
+    labels `[b, 2]` int32).
+  """
+  b = tf.shape(first)[0]
+  first_labels = tf.gather(labels, first)
+  seeds = tf.random.experimental.stateless_split(tf.cast(seed, tf.int64), 3)
+  offset = tf.random.stateless_uniform([b], seeds[0], 1, num_classes, dtype=tf.int32)
+  partner_class = (first_labels + offset) % num_classes
+  order = tf.argsort(labels, stable=True)                   # indices by class
+  counts = tf.math.bincount(labels, minlength=num_classes, maxlength=num_classes)
+  starts = tf.cumsum(counts, exclusive=True)
+  u = tf.random.stateless_uniform([b], seeds[1], dtype=tf.float32)
+  within = tf.minimum(tf.cast(u * tf.cast(tf.gather(counts, partner_class), tf.float32),
+                              tf.int32), tf.gather(counts, partner_class) - 1)
+  second = tf.gather(order, tf.gather(starts, partner_class) + within)
+  shifts = tf.random.stateless_uniform([b, 2, 2], seeds[2], -max_shift, max_shift + 1,
+                                       dtype=tf.int32)
+  a = _place_tf(tf.gather(images, first), shifts[:, 0])
+  c = _place_tf(tf.gather(images, second), shifts[:, 1])
+  merged = tf.cast(tf.minimum(tf.cast(a, tf.int32) + tf.cast(c, tf.int32), 255), tf.uint8)
+  pair_labels = tf.stack([first_labels, tf.gather(labels, second)], axis=1)
+  return merged, tf.stack([a, c], axis=1), pair_labels
+
+
+def _place_tf(digits, shifts, canvas=CANVAS):
+  """`place` in TensorFlow: digits `[b, h, w, 1]`, shifts `[b, 2]`."""
+  h, w = digits.shape[1], digits.shape[2]
+  pad_y, pad_x = canvas - h, canvas - w
+  padded = tf.pad(digits, [[0, 0], [pad_y, pad_y], [pad_x, pad_x], [0, 0]])
+  # Output row y shows digit row y - (canvas - h) // 2 - dy, which the
+  # padding put at that plus pad_y: one gather per axis, an exact translation.
+  rows = tf.range(canvas)[None, :] + (pad_y - (canvas - h) // 2) - shifts[:, :1]
+  cols = tf.range(canvas)[None, :] + (pad_x - (canvas - w) // 2) - shifts[:, 1:]
+  out = tf.gather(padded, rows, axis=1, batch_dims=1)
+  return tf.gather(out, cols, axis=2, batch_dims=1)
+
+
+def top2_scores(lengths, labels):
+  """The paper's MultiMNIST metric on capsule lengths.
+
+  Args:
+    lengths: `[n, num_classes]`; labels: `[n, 2]` (two different classes).
+  Returns: (share of images whose two longest capsules are exactly their two
+    labels, share where at least one of the two longest is a label).
+  """
+  top = np.argsort(-np.asarray(lengths), axis=1, kind="stable")[:, :2]
+  hits = (top[:, :, None] == np.asarray(labels)[:, None, :]).any(axis=2).sum(axis=1)
+  return float((hits == 2).mean()), float((hits >= 1).mean())

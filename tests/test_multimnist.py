@@ -1,0 +1,120 @@
+"""MultiMNIST pieces: the pair generator, the two-label losses, the metric."""
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from capsnet import losses
+from capsnet import multimnist
+
+
+def _digits(n=60, seed=0):
+  """Small fake digits: distinct values, every class present."""
+  rng = np.random.RandomState(seed)
+  images = rng.randint(1, 200, (n, 28, 28, 1)).astype(np.uint8)
+  return images, np.arange(n) % 10
+
+
+def test_fixed_pairs_cover_every_digit_with_another_class():
+  _, labels = _digits()
+  first, second, shifts = multimnist.fixed_pairs(labels, seed=3)
+  np.testing.assert_array_equal(first, np.arange(len(labels)))
+  assert (labels[first] != labels[second]).all()
+  assert shifts.shape == (len(labels), 2, 2)
+  assert shifts.min() >= -4 and shifts.max() <= 4 and len(np.unique(shifts)) == 9
+  again = multimnist.fixed_pairs(labels, seed=3)
+  for a, b in zip((first, second, shifts), again):
+    np.testing.assert_array_equal(a, b)
+  other = multimnist.fixed_pairs(labels, seed=4)
+  assert not np.array_equal(other[1], second)
+
+
+def test_place_and_merge_are_exact():
+  digit = np.zeros([1, 28, 28], np.uint8)
+  digit[0, 0, 0], digit[0, 27, 27] = 7, 9
+  placed = multimnist.place(digit, np.array([[-4, 3]]))
+  assert placed.shape == (1, 36, 36)
+  assert placed[0, 4 - 4, 4 + 3] == 7 and placed[0, 31 - 4, 31 + 3] == 9
+  assert placed.sum() == 16
+  a = np.array([[100, 200, 0]], np.uint8)
+  b = np.array([[100, 100, 5]], np.uint8)
+  np.testing.assert_array_equal(multimnist.merge(a, b), [[200, 255, 5]])
+
+
+def test_compose_keeps_both_shifted_digits_as_targets():
+  images, labels = _digits()
+  first, second, shifts = multimnist.fixed_pairs(labels, seed=1)
+  merged, targets, pair_labels = multimnist.compose(images, labels, first[:5],
+                                                    second[:5], shifts[:5])
+  assert merged.shape == (5, 36, 36, 1) and targets.shape == (5, 2, 36, 36, 1)
+  np.testing.assert_array_equal(pair_labels, np.stack([labels[first[:5]],
+                                                       labels[second[:5]]], 1))
+  for k in range(5):
+    for d, index in enumerate((first[k], second[k])):
+      np.testing.assert_array_equal(
+          targets[k, d, ..., 0], multimnist.place(images[index:index + 1, ..., 0],
+                                                  shifts[k, d][None])[0])
+    np.testing.assert_array_equal(merged[k], multimnist.merge(targets[k, 0], targets[k, 1]))
+
+
+def test_training_pairs_in_tensorflow():
+  """Shifts in bounds, different classes, the merge rule, both targets
+  exact (equal to the NumPy composition of the same pairs), and the same
+  seed gives the same pairs."""
+  images, labels = _digits()
+  first = np.array([0, 5, 13, 27, 42, 59])
+  with tf.Graph().as_default(), tf.compat.v1.Session() as sess:
+    seed = tf.compat.v1.placeholder(tf.int64, [2])
+    out = multimnist.training_pairs(tf.constant(images), tf.constant(labels, tf.int32),
+                                    tf.constant(first), seed)
+    merged, targets, pair_labels = sess.run(out, {seed: [7, 0]})
+    again = sess.run(out, {seed: [7, 0]})
+    other = sess.run(out, {seed: [7, 1]})
+  for a, b in zip((merged, targets, pair_labels), again):
+    np.testing.assert_array_equal(a, b)
+  assert not np.array_equal(other[1], targets)
+  np.testing.assert_array_equal(pair_labels[:, 0], labels[first])
+  assert (pair_labels[:, 0] != pair_labels[:, 1]).all()
+  for k in range(len(first)):
+    a, b = targets[k, 0, ..., 0], targets[k, 1, ..., 0]
+    np.testing.assert_array_equal(merged[k, ..., 0], multimnist.merge(a, b))
+    # Each target is its digit, shifted by at most 4 (found by search).
+    for d, candidates in ((0, [first[k]]), (1, np.flatnonzero(labels == pair_labels[k, 1]))):
+      found = [(i, dy, dx) for i in candidates for dy in range(-4, 5)
+               for dx in range(-4, 5) if np.array_equal(
+                   multimnist.place(images[i:i + 1, ..., 0], np.array([[dy, dx]]))[0],
+                   targets[k, d, ..., 0])]
+      assert len(found) == 1, (k, d)
+
+
+def test_two_label_margin_loss_hand_computed():
+  lengths = np.array([[0.95, 0.3, 0.05, 0.7]])
+  labels = np.array([[0, 3]])
+  # present 0: 0.95 >= 0.9 -> 0; present 3: (0.9 - 0.7)^2 = 0.04;
+  # absent 1: 0.5 (0.3 - 0.1)^2 = 0.02; absent 2: 0.05 < 0.1 -> 0.
+  with tf.Graph().as_default(), tf.compat.v1.Session() as sess:
+    got = sess.run(losses.margin_loss(tf.constant(lengths), tf.constant(labels)))
+  np.testing.assert_allclose(got, [0.06], rtol=1e-12)
+
+
+def test_two_reconstruction_losses_hand_computed():
+  """Each digit's reconstruction against its own shifted digit; the sum."""
+  targets = np.zeros([1, 2, 2, 2, 1])
+  targets[0, 0, 0, 0, 0] = 1.0
+  targets[0, 1, 1, 1, 0] = 0.5
+  recon = np.full([1, 2, 4], 0.5)
+  # digit 0: 0.25 + 3 * 0.25 = 1.0; digit 1: 3 * 0.25 + 0 = 0.75.
+  with tf.Graph().as_default(), tf.compat.v1.Session() as sess:
+    terms = [losses.reconstruction_loss(tf.constant(recon[:, d]),
+                                        tf.constant(targets[:, d])) for d in range(2)]
+    got = sess.run(tf.add_n(terms))
+  np.testing.assert_allclose(got, [0.0005 * 1.75], rtol=1e-12)
+
+
+def test_top2_metric_on_hand_made_lengths():
+  lengths = np.array([[0.9, 0.8, 0.1, 0.0],     # top {0, 1}, labels {1, 0}: exact
+                      [0.9, 0.1, 0.8, 0.0],     # top {0, 2}, labels {0, 1}: one
+                      [0.1, 0.2, 0.9, 0.8],     # top {2, 3}, labels {0, 1}: none
+                      [0.5, 0.1, 0.2, 0.6]])    # top {3, 0}, labels {0, 3}: exact
+  labels = np.array([[1, 0], [0, 1], [0, 1], [0, 3]])
+  exact, one = multimnist.top2_scores(lengths, labels)
+  assert (exact, one) == (0.5, 0.75)
