@@ -1,6 +1,5 @@
 """MultiMNIST pieces: the pair generator, the two-label losses, the metric."""
 import numpy as np
-import pytest
 import tensorflow as tf
 
 from capsnet import losses
