@@ -300,13 +300,17 @@ def make_dataset(images, labels, batch_size, augment=False, seed=0,
       x, _ = random_shift(x, tf.stack([tf.cast(seed, tf.int64), k]))
     return tf.cast(x, tf.float32) / 255.0, tf.cast(y, tf.int32)
   ds = ds.map(prepare, num_parallel_calls=2)
-  # No autotuning: re-initialising an iterator that has been idle for a
-  # while (the eval iterator between validations, the training one between
-  # epochs) then blocked for ~15 s in TF 2.21 (measured; fixed size pools do
-  # not). Two map calls and a prefetch keep the model fed (capsnet.bench).
+  return ds.prefetch(prefetch).with_options(dataset_options())
+
+
+def dataset_options():
+  """No autotuning: re-initialising an iterator that has been idle for a
+  while (the eval iterator between validations, the training one between
+  epochs) then blocked for ~15 s in TF 2.21 (measured; fixed size pools do
+  not). Two map calls and a prefetch keep the model fed (capsnet.bench)."""
   options = tf.data.Options()
   options.autotune.enabled = False
-  return ds.prefetch(prefetch).with_options(options)
+  return options
 
 
 Pipeline = collections.namedtuple("Pipeline", [

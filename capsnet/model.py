@@ -104,8 +104,10 @@ Outputs = collections.namedtuple("Outputs", [
     "couplings",        # iter_routing x [batch, in_caps, num_classes], first first
     "v",                # [batch, num_classes, digit_dim] DigitCaps
     "lengths",          # [batch, num_classes] capsule lengths
-    "predictions",      # [batch] int32 argmax of lengths
-    "reconstructions",  # [batch, num_pixels] decoder output, or None
+    "predictions",      # [batch] int32 argmax of lengths ([batch, 2]: the two
+                        #   longest, for two digits an image)
+    "reconstructions",  # [batch, num_pixels] decoder output ([batch, 2,
+                        #   num_pixels] for two digits), or None
     "margin_loss",      # [batch]
     "recon_loss",       # [batch] (zeros without decoder)
     "loss",             # scalar: batch mean of margin + reconstruction
@@ -113,24 +115,33 @@ Outputs = collections.namedtuple("Outputs", [
 ])
 
 
-def forward(images, labels, cfg, training, digit_caps=layers.digit_caps, device=None):
+def forward(images, labels, cfg, training, digit_caps=layers.digit_caps, device=None,
+            targets=None):
   """Builds CapsNet on `images` in variable scope `capsnet` (AUTO_REUSE).
 
   Calling it again (another tower, an eval graph) reuses the same variables.
 
   Args:
     images: `[batch, image_size, image_size, image_channels]` in [0, 1].
-    labels: `[batch]` int class ids.
+    labels: `[batch]` int class ids, or `[batch, 2]` for two digits of
+      different classes an image (MultiMNIST, Section 6).
     cfg: a `ModelConfig`.
     training: if True the decoder sees the capsules masked by the true label,
-      otherwise by the predicted class.
+      otherwise by the predicted class (two digits: by each label in turn,
+      or each of the two longest capsules).
+    targets: with `[batch, 2]` labels and the decoder: `[batch, 2, h, w, c]`
+      in [0, 1], each digit alone, the reconstruction targets.
     digit_caps: the DigitCaps layer, with the signature and results of
       `layers.digit_caps` (the benchmark passes its naive baseline).
     device: the device the model is placed on, for `conv_impl="auto"`.
   Returns: an `Outputs` tuple.
   Raises:
-    ValueError: if `images` does not have the configured shape.
+    ValueError: if `images` does not have the configured shape, or two
+      labels an image come without targets for the decoder.
   """
+  two_digits = labels.shape.rank == 2
+  if two_digits and cfg.use_decoder and targets is None:
+    raise ValueError("forward: two labels an image need the two targets")
   expected = [cfg.image_size, cfg.image_size, cfg.image_channels]
   if images.shape.rank != 4 or images.shape[1:].as_list() != expected:
     raise ValueError(f"forward: images must be [batch, {expected[0]}, "
@@ -149,20 +160,51 @@ def forward(images, labels, cfg, training, digit_caps=layers.digit_caps, device=
     v, couplings, u_hat = digit_caps(u, cfg.num_classes, cfg.digit_dim,
                                      cfg.iter_routing, cfg.stop_gradient)
     lengths = routing.safe_norm(v)                   # [b, o]
-    predictions = tf.argmax(lengths, axis=1, output_type=tf.int32)
-    margin = losses.margin_loss(lengths, labels, cfg.m_plus, cfg.m_minus,
-                                cfg.down_weight)
-    if cfg.use_decoder:
-      recon = _masked_decoder(v, labels if training else predictions, cfg)
-      recon_loss = losses.reconstruction_loss(recon, images, cfg.recon_weight)
+    if two_digits:
+      predictions, recon, margin, recon_loss, accuracy = _two_digit_heads(
+          v, lengths, labels, tf.cast(targets, dtype) if cfg.use_decoder else None,
+          cfg, training)
     else:
-      recon = None
-      recon_loss = tf.zeros_like(margin)
+      predictions = tf.argmax(lengths, axis=1, output_type=tf.int32)
+      margin = losses.margin_loss(lengths, labels, cfg.m_plus, cfg.m_minus,
+                                  cfg.down_weight)
+      if cfg.use_decoder:
+        recon = _masked_decoder(v, labels if training else predictions, cfg)
+        recon_loss = losses.reconstruction_loss(recon, images, cfg.recon_weight)
+      else:
+        recon = None
+        recon_loss = tf.zeros_like(margin)
+      accuracy = tf.cast(tf.equal(predictions, labels), dtype)
     loss = tf.reduce_mean(margin + recon_loss, name="loss")
-    accuracy = tf.reduce_mean(
-        tf.cast(tf.equal(predictions, labels), dtype), name="accuracy")
+    accuracy = tf.reduce_mean(accuracy, name="accuracy")
   return Outputs(u, u_hat, list(couplings), v, lengths, predictions, recon,
                  margin, recon_loss, loss, accuracy)
+
+
+def _two_digit_heads(v, lengths, labels, targets, cfg, training):
+  """MultiMNIST heads (Section 6): the margin loss with both labels present;
+  each digit reconstructed from its own capsule (the other masked out),
+  the reconstruction loss the sum of both terms; the two longest capsules
+  as the prediction, correct only if they are exactly the two labels.
+
+  Returns: (predictions `[b, 2]`, reconstructions `[b, 2, pixels]` or None,
+    margin loss `[b]`, reconstruction loss `[b]`, correct `[b]`).
+  """
+  top2 = tf.math.top_k(lengths, 2).indices                     # [b, 2]
+  margin = losses.margin_loss(lengths, labels, cfg.m_plus, cfg.m_minus,
+                              cfg.down_weight)
+  recon, recon_loss = None, tf.zeros_like(margin)
+  if targets is not None:
+    classes = labels if training else top2
+    recon = tf.stack([_masked_decoder(v, classes[:, d], cfg) for d in range(2)], 1)
+    term = lambda d, t: losses.reconstruction_loss(recon[:, d], targets[:, t],
+                                                   cfg.recon_weight)
+    recon_loss = term(0, 0) + term(1, 1)
+    if not training:   # the predicted pair in either order against the labels
+      recon_loss = tf.minimum(recon_loss, term(0, 1) + term(1, 0))
+  hits = tf.reduce_sum(tf.cast(tf.reduce_any(
+      tf.equal(top2[:, :, None], labels[:, None, :]), axis=2), tf.int32), axis=1)
+  return top2, recon, margin, recon_loss, tf.cast(tf.equal(hits, 2), v.dtype)
 
 
 def decode(v, classes, cfg):

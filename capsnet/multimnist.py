@@ -13,8 +13,12 @@ shifted digits are kept: they are the reconstruction targets.
 - Validation and test pairs are fixed by a seed (`fixed_pairs`): one pair per
   digit of the split, that digit first, so every digit is a first digit once.
 """
+import collections
+
 import numpy as np
 import tensorflow as tf
+
+from capsnet import input as data
 
 CANVAS = 36
 MAX_SHIFT = 4
@@ -43,15 +47,17 @@ def fixed_pairs(labels, seed, max_shift=MAX_SHIFT, num_classes=10):
 
 
 def place(digits, shifts, canvas=CANVAS):
-  """Digits `[n, 28, 28]` centred on a `canvas`-sized field, each shifted by
-  its (dy, dx) `[n, 2]` with zero fill (NumPy). Returns uint8 `[n, c, c]`."""
+  """Digits `[n, h, w]` centred on a `canvas`-sized field, each shifted by
+  its (dy, dx) `[n, 2]` with zero fill; what leaves the field is cut off
+  (shifts over (canvas - 28) / 2 = 4). NumPy. Returns uint8 `[n, c, c]`."""
   n, h, w = digits.shape
-  out = np.zeros([n, canvas, canvas], np.uint8)
-  top, left = (canvas - h) // 2, (canvas - w) // 2
+  margin = canvas + int(np.abs(shifts).max(initial=0))
+  big = np.zeros([n, canvas + 2 * margin, canvas + 2 * margin], np.uint8)
   for k in range(n):
-    dy, dx = shifts[k]
-    out[k, top + dy:top + dy + h, left + dx:left + dx + w] = digits[k]
-  return out
+    top = margin + (canvas - h) // 2 + shifts[k, 0]
+    left = margin + (canvas - w) // 2 + shifts[k, 1]
+    big[k, top:top + h, left:left + w] = digits[k]
+  return big[:, margin:margin + canvas, margin:margin + canvas]
 
 
 def merge(a, b):
@@ -108,14 +114,14 @@ def training_pairs(images, labels, first, seed, max_shift=MAX_SHIFT, num_classes
 
 
 def _place_tf(digits, shifts, canvas=CANVAS):
-  """`place` in TensorFlow: digits `[b, h, w, 1]`, shifts `[b, 2]`."""
+  """`place` in TensorFlow: digits `[b, h, w, 1]`, shifts `[b, 2]` (each
+  within +-canvas)."""
   h, w = digits.shape[1], digits.shape[2]
-  pad_y, pad_x = canvas - h, canvas - w
-  padded = tf.pad(digits, [[0, 0], [pad_y, pad_y], [pad_x, pad_x], [0, 0]])
+  padded = tf.pad(digits, [[0, 0], [canvas, canvas], [canvas, canvas], [0, 0]])
   # Output row y shows digit row y - (canvas - h) // 2 - dy, which the
-  # padding put at that plus pad_y: one gather per axis, an exact translation.
-  rows = tf.range(canvas)[None, :] + (pad_y - (canvas - h) // 2) - shifts[:, :1]
-  cols = tf.range(canvas)[None, :] + (pad_x - (canvas - w) // 2) - shifts[:, 1:]
+  # padding put `canvas` further down: one gather per axis, an exact shift.
+  rows = tf.range(canvas)[None, :] + (canvas - (canvas - h) // 2) - shifts[:, :1]
+  cols = tf.range(canvas)[None, :] + (canvas - (canvas - w) // 2) - shifts[:, 1:]
   out = tf.gather(padded, rows, axis=1, batch_dims=1)
   return tf.gather(out, cols, axis=2, batch_dims=1)
 
@@ -131,3 +137,81 @@ def top2_scores(lengths, labels):
   top = np.argsort(-np.asarray(lengths), axis=1, kind="stable")[:, :2]
   hits = (top[:, :, None] == np.asarray(labels)[:, None, :]).any(axis=2).sum(axis=1)
   return float((hits == 2).mean()), float((hits >= 1).mean())
+
+
+Pipeline = collections.namedtuple("Pipeline", [
+    "images",       # uint8 placeholder: MultiMNIST images (eval) or digits (train)
+    "labels",       # int32 placeholder: [n, 2] pair labels (eval) or [n] (train)
+    "targets",      # uint8 placeholder [n, 2, 36, 36, 1] (eval), else None
+    "order",        # int64 placeholder [n]: the epoch's first digits (train)
+    "seed",         # int64 placeholder (train): the epoch's pair seed
+    "first_batch",  # int64 placeholder (train): index of the first batch
+    "iterator",
+    "batch",        # (images float [b, 36, 36, 1], labels [b, 2], targets
+                    #  float [b, 2, 36, 36, 1]), in [0, 1]
+])
+
+
+def eval_pipeline(batch_size, name="eval_input", size=CANVAS):
+  """Fixed pairs fed as arrays (`compose`), batched in order, the last
+  partial batch kept."""
+  with tf.device("/cpu:0"), tf.name_scope(name):
+    images = tf.compat.v1.placeholder(tf.uint8, [None, size, size, 1], name="images")
+    labels = tf.compat.v1.placeholder(tf.int32, [None, 2], name="labels")
+    targets = tf.compat.v1.placeholder(tf.uint8, [None, 2, size, size, 1],
+                                       name="targets")
+    ds = tf.data.Dataset.from_tensor_slices((images, labels, targets)).batch(batch_size)
+    ds = ds.map(lambda x, y, t: (_float(x), y, _float(t)), num_parallel_calls=2)
+    iterator = tf.compat.v1.data.make_initializable_iterator(
+        ds.prefetch(2).with_options(data.dataset_options()))
+    batch = iterator.get_next()
+  return Pipeline(images, labels, targets, None, None, None, iterator, batch)
+
+
+def train_pipeline(batch_size, max_shift=MAX_SHIFT, name="train_input"):
+  """Training pairs drawn on the fly: feed the training digits, their
+  labels, the epoch's order of first digits, the epoch's seed and the index
+  of the first batch (to resume inside an epoch); batch k's pairs follow
+  from (seed, first_batch + k)."""
+  with tf.device("/cpu:0"), tf.name_scope(name):
+    digits = tf.compat.v1.placeholder(tf.uint8, [None, 28, 28, 1], name="digits")
+    labels = tf.compat.v1.placeholder(tf.int32, [None], name="labels")
+    order = tf.compat.v1.placeholder(tf.int64, [None], name="order")
+    seed = tf.compat.v1.placeholder(tf.int64, [], name="seed")
+    first_batch = tf.compat.v1.placeholder(tf.int64, [], name="first_batch")
+    ds = tf.data.Dataset.from_tensor_slices(order).batch(batch_size, drop_remainder=True)
+
+    def pairs(k, first):
+      x, t, y = training_pairs(digits, labels, first, tf.stack([seed, first_batch + k]),
+                               max_shift)
+      return _float(x), y, _float(t)
+    ds = ds.enumerate().map(pairs, num_parallel_calls=2)
+    iterator = tf.compat.v1.data.make_initializable_iterator(
+        ds.prefetch(2).with_options(data.dataset_options()))
+    batch = iterator.get_next()
+  return Pipeline(digits, labels, None, order, seed, first_batch, iterator, batch)
+
+
+def _float(x):
+  return tf.cast(x, tf.float32) / 255.0
+
+
+def load(mnist_splits, max_shift=MAX_SHIFT, seeds=(1, 2)):
+  """MultiMNIST splits from the MNIST splits: training digits as they are
+  (paired on the fly), validation and test as fixed pairs, one per digit,
+  by the given seeds (the same for every run).
+
+  Returns: dict split -> arrays: "train" (digits [n, 28, 28, 1], labels [n]),
+    "validation" and "test" (images [n, 36, 36, 1], labels [n, 2], targets
+    [n, 2, 36, 36, 1]).
+  """
+  out = {"train": mnist_splits["train"]}
+  for split, seed in zip(("validation", "test"), seeds):
+    images, labels = mnist_splits[split]
+    if not len(labels):
+      out[split] = (np.zeros([0, CANVAS, CANVAS, 1], np.uint8), np.zeros([0, 2], np.int32),
+                    np.zeros([0, 2, CANVAS, CANVAS, 1], np.uint8))
+      continue
+    first, second, shifts = fixed_pairs(labels, seed, max_shift)
+    out[split] = compose(images, labels, first, second, shifts)
+  return out

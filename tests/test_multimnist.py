@@ -34,6 +34,9 @@ def test_place_and_merge_are_exact():
   assert placed.shape == (1, 36, 36)
   assert placed[0, 4 - 4, 4 + 3] == 7 and placed[0, 31 - 4, 31 + 3] == 9
   assert placed.sum() == 16
+  # Shifts past 4 (the official README's 6) cut off what leaves the field.
+  cut = multimnist.place(np.full([1, 28, 28], 1, np.uint8), np.array([[6, -6]]))
+  assert cut.sum() == 26 * 26 and cut[0, 35, 0] == 1 and cut[0, 9, 0] == 0
   a = np.array([[100, 200, 0]], np.uint8)
   b = np.array([[100, 100, 5]], np.uint8)
   np.testing.assert_array_equal(multimnist.merge(a, b), [[200, 255, 5]])
@@ -117,3 +120,11 @@ def test_top2_metric_on_hand_made_lengths():
   labels = np.array([[1, 0], [0, 1], [0, 1], [0, 3]])
   exact, one = multimnist.top2_scores(lengths, labels)
   assert (exact, one) == (0.5, 0.75)
+
+
+def test_tensorflow_placement_equals_numpy_for_shifts_up_to_6():
+  images, _ = _digits(20)
+  shifts = np.random.RandomState(0).randint(-6, 7, (20, 2))
+  with tf.Graph().as_default(), tf.compat.v1.Session() as sess:
+    got = sess.run(multimnist._place_tf(tf.constant(images), tf.constant(shifts, tf.int32)))
+  np.testing.assert_array_equal(got[..., 0], multimnist.place(images[..., 0], shifts))
