@@ -10,6 +10,14 @@ import tensorflow as tf
 
 from capsnet import input as data
 from capsnet import model
+from capsnet import multimnist
+
+DATASETS = sorted(data.DATASETS) + ["multimnist"]
+
+
+def default_data_dir(dataset):
+  """data/<dataset>; MultiMNIST is made from data/mnist."""
+  return f"data/{'mnist' if dataset == 'multimnist' else dataset}"
 
 _MODEL_HELP = {
     "image_size": "input height = width in pixels",
@@ -59,16 +67,22 @@ def define_model_flags():
 
 
 def define_data_flags(dataset_default="mnist"):
-  flags.DEFINE_enum("dataset", dataset_default, sorted(data.DATASETS),
-                    "data set" + ("" if dataset_default else
-                                  " (default: the one the run trained on)"))
+  flags.DEFINE_enum("dataset", dataset_default, DATASETS,
+                    "data set; multimnist: pairs of overlapping MNIST digits "
+                    "(Section 6), made from the MNIST files" + (
+                        "" if dataset_default else
+                        " (default: the one the run trained on)"))
   flags.DEFINE_string("data_dir", None, "folder of the four .gz files "
-                      "(default: data/<dataset>)")
+                      "(default: data/<dataset>; data/mnist for multimnist)")
   flags.DEFINE_bool("download", True, "fetch missing files from public mirrors")
   if dataset_default is None:   # eval.py: the split comes from config.json
     return
   flags.DEFINE_integer("val_size", 5000, "validation images held out from the "
                        "end of the training file (0 allowed)", lower_bound=0)
+  flags.DEFINE_integer("multimnist_shift", multimnist.MAX_SHIFT, "multimnist: "
+                       "largest shift of each digit in pixels (the paper: 4; the "
+                       "official generator's README: 6)", lower_bound=0,
+                       upper_bound=16)
 
 
 def define_train_flags():
@@ -106,13 +120,18 @@ def define_train_flags():
 
 
 def model_config_from_flags(values):
-  """A ModelConfig from parsed flags (`FLAGS`, passed by a `main`).
+  """A ModelConfig from parsed flags (`FLAGS`, passed by a `main`); with
+  --dataset=multimnist the image size defaults to 36.
 
   Raises:
     ValueError: a value the config rejects; the message names the field.
   """
   kwargs = {}
+  if values["dataset"].value == "multimnist" and not values["image_size"].present:
+    kwargs["image_size"] = multimnist.CANVAS
   for field in dataclasses.fields(model.ModelConfig):
+    if field.name in kwargs:
+      continue
     value = values[field.name].value
     if field.name == "decoder_units":
       try:

@@ -43,6 +43,7 @@ from capsnet import evaluation  # noqa: E402
 from capsnet import files  # noqa: E402
 from capsnet import input as data  # noqa: E402
 from capsnet import model  # noqa: E402
+from capsnet import multimnist  # noqa: E402
 from capsnet import runs  # noqa: E402
 
 config.define_train_flags()
@@ -57,7 +58,8 @@ RESUMABLE_CHANGES = ("precision", "conv_impl")
 # Trainer settings written to config.json ("train"); all but the ones in
 # RESUMABLE_SETTINGS must be the same when a run resumes.
 RECORDED_SETTINGS = ("dataset", "val_size", "train_size", "batch_size",
-                     "learning_rate", "decay_steps", "decay_rate", "seed", "epochs")
+                     "learning_rate", "decay_steps", "decay_rate", "seed", "epochs",
+                     "multimnist_shift")
 RESUMABLE_SETTINGS = ("epochs",)
 
 
@@ -77,6 +79,7 @@ class Settings:
   download: bool
   val_size: int
   train_size: int
+  multimnist_shift: int     # multimnist: largest shift of a digit
   epochs: int
   max_steps: int            # 0: no limit
   batch_size: int           # all towers together
@@ -107,7 +110,7 @@ def settings_from_flags(values):
   names = [f.name for f in dataclasses.fields(Settings)]
   kwargs = {name: values[name].value for name in names}
   kwargs["device"] = config.resolve_device(kwargs["device"], "train.py")
-  kwargs["data_dir"] = kwargs["data_dir"] or f"data/{kwargs['dataset']}"
+  kwargs["data_dir"] = kwargs["data_dir"] or config.default_data_dir(kwargs["dataset"])
   if kwargs["batch_size"] % kwargs["num_gpus"]:
     raise ValueError(f"--batch_size={kwargs['batch_size']} must divide by "
                      f"--num_gpus={kwargs['num_gpus']}")
@@ -130,10 +133,14 @@ def load_splits(s, cfg):
   for images or labels the model cannot take, or a batch larger than the
   training split.
   """
-  splits = data.load(s.dataset, s.data_dir, s.val_size, s.download)
+  if s.dataset == "multimnist":
+    splits = multimnist.load(data.load("mnist", s.data_dir, s.val_size, s.download),
+                             s.multimnist_shift)
+  else:
+    splits = data.load(s.dataset, s.data_dir, s.val_size, s.download)
   if s.train_size:
     splits["train"] = tuple(a[:s.train_size] for a in splits["train"])
-  images, labels = splits["test"]
+  images, labels = splits["test"][:2]
   expected = (cfg.image_size, cfg.image_size, cfg.image_channels)
   if images.shape[1:] != expected:
     raise ValueError(f"--dataset={s.dataset} has {'x'.join(map(str, images.shape[1:]))} "
@@ -283,33 +290,41 @@ def build_graph(cfg, s, devices, fixed_batch):
   """Everything train.py runs, in one finalized tf.Graph.
 
   Args:
-    fixed_batch: (images, labels) arrays for the gradient diagnostic.
+    fixed_batch: (images, labels[, targets]) uint8/int arrays for the
+      gradient diagnostic.
   Returns: a `TrainGraph`.
   """
   graph = tf.Graph()
   with graph.as_default():
     tf.compat.v1.set_random_seed(s.seed)
     state = RunState()
-    pipe = data.fed_pipeline([cfg.image_size, cfg.image_size, cfg.image_channels],
-                             s.batch_size, augment=True, drop_remainder=True,
-                             name="train_input")
-    images, labels = pipe.batch
+    if s.dataset == "multimnist":
+      pipe = multimnist.train_pipeline(s.batch_size, s.multimnist_shift)
+      images, labels, targets = pipe.batch
+    else:
+      pipe = data.fed_pipeline([cfg.image_size, cfg.image_size, cfg.image_channels],
+                               s.batch_size, augment=True, drop_remainder=True,
+                               name="train_input")
+      (images, labels), targets = pipe.batch, None
     lr = tf.compat.v1.train.exponential_decay(
         s.learning_rate, state.global_step, s.decay_steps, s.decay_rate)
     opt = tf.compat.v1.train.AdamOptimizer(lr)
-    grads, outs = model.tower_gradients(images, labels, cfg, opt, devices)
+    grads, outs = model.tower_gradients(images, labels, cfg, opt, devices,
+                                        targets=targets)
     train_op = opt.apply_gradients(grads, state.global_step)
     n = float(len(outs))
     loss = tf.add_n([o.loss for o in outs]) / n
     accuracy = tf.add_n([o.accuracy for o in outs]) / n
     summary = _summaries(outs[0], images, lr)
-    ev = evaluation.build(cfg, s.eval_batch_size, devices[0])
+    ev = evaluation.build(cfg, s.eval_batch_size, devices[0],
+                          two_digits=targets is not None)
     diag = {}
     if s.diag_every:
       with tf.compat.v1.device(devices[0]), tf.name_scope("diagnostic"):
+        fixed = [tf.constant(a) for a in fixed_batch]
         diag = model.gradient_diagnostic(
-            tf.constant(fixed_batch[0], tf.float32) / 255.0,
-            tf.constant(fixed_batch[1]), cfg, devices[0])
+            tf.cast(fixed[0], tf.float32) / 255.0, fixed[1], cfg, devices[0],
+            tf.cast(fixed[2], tf.float32) / 255.0 if len(fixed) > 2 else None)
     state.add_epoch_sums()
     saver_latest = tf.compat.v1.train.Saver(max_to_keep=2, save_relative_paths=True)
     saver_best = tf.compat.v1.train.Saver(max_to_keep=1, save_relative_paths=True)
@@ -336,7 +351,10 @@ def _summaries(out, images, lr):
     items.append(scalar(f"routing/max_c_iter_{r}",
                         tf.reduce_mean(tf.reduce_max(c, axis=2))))
   if out.reconstructions is not None:
-    recon = tf.reshape(out.reconstructions[:4], tf.shape(images[:4]))
+    first = out.reconstructions[:4]
+    if first.shape.rank == 3:   # two digits: the first label's
+      first = first[:, 0]
+    recon = tf.reshape(first, tf.shape(images[:4]))
     pairs = tf.concat([tf.cast(images[:4], recon.dtype), recon], axis=2)
     items.append(tf.compat.v1.summary.image("input_vs_reconstruction", pairs,
                                             max_outputs=4))
@@ -429,8 +447,11 @@ def train(cfg, s, devices, splits):
   initialised. Exits with status 130 after a Ctrl-C, once the checkpoint is
   saved.
   """
-  train_x, train_y = splits["train"]
-  g = build_graph(cfg, s, devices, (train_x[:32], train_y[:32]))
+  if s.dataset == "multimnist":   # fixed pairs: the first 32 of validation
+    fixed_batch = tuple(a[:32] for a in splits["validation"])
+  else:
+    fixed_batch = tuple(a[:32] for a in splits["train"])
+  g = build_graph(cfg, s, devices, fixed_batch)
   stop = StopRequest()
   previous_handler = signal.signal(signal.SIGINT, stop)
   try:
@@ -564,9 +585,13 @@ def run_epoch(run, pos):
   train_x, train_y = run.splits["train"]
   order = data.epoch_order(len(train_x), s.seed, pos.epoch)[pos.examples:]
   done_batches = pos.examples // s.batch_size
-  sess.run(g.input.iterator.initializer, {
-      g.input.images: train_x[order], g.input.labels: train_y[order],
-      g.input.seed: s.seed * 100003 + pos.epoch, g.input.first_batch: done_batches})
+  feed = {g.input.seed: s.seed * 100003 + pos.epoch, g.input.first_batch: done_batches}
+  if s.dataset == "multimnist":   # the digits once; pairs drawn in the pipeline
+    feed.update({g.input.images: train_x, g.input.labels: train_y,
+                 g.input.order: order})
+  else:
+    feed.update({g.input.images: train_x[order], g.input.labels: train_y[order]})
+  sess.run(g.input.iterator.initializer, feed)
   bar = tqdm.tqdm(total=steps_per_epoch(run), initial=done_batches,
                   desc=f"epoch {pos.epoch + 1}/{s.epochs}", disable=not s.progress,
                   dynamic_ncols=True)
@@ -644,11 +669,14 @@ def end_epoch(run, pos, stats):
 def validate(run, pos, row):
   """Scores the validation split into `row`, appends it to metrics.jsonl and
   saves the best checkpoint (without a validation split: the newest)."""
-  val_x, val_y = run.splits["validation"]
+  split = run.splits["validation"]
+  val_y = split[1]
   if len(val_y):
-    val = evaluation.run(run.sess, run.g.eval, val_x, val_y)
+    val = evaluation.run(run.sess, run.g.eval, *split)
     row.update(val_loss=val["loss"], val_accuracy=val["accuracy"],
                val_error_percent=val["error_percent"])
+    if "at_least_one" in val:
+      row["val_at_least_one"] = val["at_least_one"]
     print(f"epoch {row['epoch']}: validation accuracy {val['accuracy']:.4f} "
           f"(error {val['error_percent']:.2f}%), loss {val['loss']:.4f}"
           + (f", {row['images_per_sec']} images/s" if "images_per_sec" in row else ""))

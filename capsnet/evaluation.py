@@ -10,39 +10,54 @@ import tensorflow as tf
 
 from capsnet import input as data
 from capsnet import model
+from capsnet import multimnist
 
 EvalGraph = collections.namedtuple(
-    "EvalGraph", ["images", "labels", "iterator", "outputs", "batch_images"])
+    "EvalGraph", ["images", "labels", "iterator", "outputs", "batch_images", "targets"])
 
 
-def build(cfg, batch_size, device=None):
+def build(cfg, batch_size, device=None, two_digits=False):
   """Eval pipeline on the CPU and `model.forward(training=False)` on `device`.
 
-  Returns: an `EvalGraph`; `images`/`labels` are the placeholders to feed at
-  `iterator.initializer`, `batch_images` the current batch's images.
+  Args:
+    two_digits: MultiMNIST: `[n, 2]` labels and the two targets.
+  Returns: an `EvalGraph`; `images`/`labels` (and `targets`, or None) are the
+  placeholders to feed at `iterator.initializer`, `batch_images` the current
+  batch's images.
   """
-  pipe = data.fed_pipeline([cfg.image_size, cfg.image_size, cfg.image_channels],
-                           batch_size, name="eval_input")
-  batch_images, batch_labels = pipe.batch
+  if two_digits:
+    pipe = multimnist.eval_pipeline(batch_size, size=cfg.image_size)
+    batch_images, batch_labels, batch_targets = pipe.batch
+  else:
+    pipe = data.fed_pipeline([cfg.image_size, cfg.image_size, cfg.image_channels],
+                             batch_size, name="eval_input")
+    (batch_images, batch_labels), batch_targets = pipe.batch, None
   with tf.compat.v1.device(device), tf.name_scope("eval"):
     outputs = model.forward(batch_images, batch_labels, cfg, training=False,
-                            device=device)
-  return EvalGraph(pipe.images, pipe.labels, pipe.iterator, outputs, batch_images)
+                            device=device, targets=batch_targets)
+  return EvalGraph(pipe.images, pipe.labels, pipe.iterator, outputs, batch_images,
+                   getattr(pipe, "targets", None))
 
 
-def run(sess, graph, images, labels):
+def run(sess, graph, images, labels, targets=None):
   """Scores every example of (images, labels) once.
 
   Returns: dict with count, accuracy, error_percent, loss, margin_loss_mean,
     recon_loss_mean (means over examples), per_class_accuracy, confusion
     (rows = label, columns = prediction), and the per-example predictions,
-    lengths, margin_loss and recon_loss.
+    lengths, margin_loss and recon_loss. With two labels an image
+    (MultiMNIST): accuracy is the share whose two longest capsules are
+    exactly the labels, at_least_one the share with one of them right; no
+    per-class figures.
   """
   out = graph.outputs
   num_classes = out.lengths.shape[-1]
   fetch = {"predictions": out.predictions, "lengths": out.lengths,
            "margin_loss": out.margin_loss, "recon_loss": out.recon_loss}
-  sess.run(graph.iterator.initializer, {graph.images: images, graph.labels: labels})
+  feed = {graph.images: images, graph.labels: labels}
+  if graph.targets is not None:
+    feed[graph.targets] = targets
+  sess.run(graph.iterator.initializer, feed)
   parts = collections.defaultdict(list)
   while True:
     try:
@@ -54,22 +69,26 @@ def run(sess, graph, images, labels):
   n = len(res["predictions"])
   if n != len(labels):
     raise RuntimeError(f"evaluation scored {n} examples, expected {len(labels)}")
+  res.update(count=n, loss=float(np.mean(res["margin_loss"] + res["recon_loss"])),
+             margin_loss_mean=float(res["margin_loss"].mean()),
+             recon_loss_mean=float(res["recon_loss"].mean()))
+  if np.ndim(labels) == 2:
+    exact, one = multimnist.top2_scores(res["lengths"], labels)
+    res.update(accuracy=exact, error_percent=100.0 * (1.0 - exact), at_least_one=one)
+    return res
   correct = res["predictions"] == labels
   confusion = np.zeros([num_classes, num_classes], np.int64)
   np.add.at(confusion, (labels, res["predictions"]), 1)
   per_class = confusion.diagonal() / np.maximum(confusion.sum(1), 1)
   res.update(
-      count=n, accuracy=float(correct.mean()),
+      accuracy=float(correct.mean()),
       error_percent=float(100.0 * (1.0 - correct.mean())),
-      loss=float(np.mean(res["margin_loss"] + res["recon_loss"])),
-      margin_loss_mean=float(res["margin_loss"].mean()),
-      recon_loss_mean=float(res["recon_loss"].mean()),
       per_class_accuracy=per_class.tolist(), confusion=confusion.tolist())
   return res
 
 
 def summary(res):
   """The scalar part of `run`'s result, for JSON and logs."""
-  keys = ("count", "accuracy", "error_percent", "loss", "margin_loss_mean",
-          "recon_loss_mean", "per_class_accuracy", "confusion")
-  return {k: res[k] for k in keys}
+  keys = ("count", "accuracy", "error_percent", "at_least_one", "loss",
+          "margin_loss_mean", "recon_loss_mean", "per_class_accuracy", "confusion")
+  return {k: res[k] for k in keys if k in res}

@@ -249,7 +249,7 @@ def _variable_device(variable_device, compute_device):
 
 
 def tower_gradients(images, labels, cfg, optimizer, devices,
-                    variable_device="/cpu:0"):
+                    variable_device="/cpu:0", targets=None):
   """Splits the batch over towers and computes each tower's gradients.
 
   Towers are `tower_{i}` name scopes over one reused `capsnet` variable
@@ -259,6 +259,7 @@ def tower_gradients(images, labels, cfg, optimizer, devices,
 
   Args:
     images, labels: the whole batch; its size must divide by len(devices).
+    targets: the MultiMNIST reconstruction targets of the batch, or None.
     devices: one device string per tower, e.g. ["/gpu:0", "/gpu:1"].
   Returns:
     grads_and_vars: gradients averaged over the towers.
@@ -269,13 +270,15 @@ def tower_gradients(images, labels, cfg, optimizer, devices,
   n = len(devices)
   image_parts = tf.split(images, n) if n > 1 else [images]
   label_parts = tf.split(labels, n) if n > 1 else [labels]
+  target_parts = [None] * n if targets is None else (
+      tf.split(targets, n) if n > 1 else [targets])
   all_grads, outputs = [], []
   for i, device in enumerate(devices):
     var_device = device if n == 1 else variable_device
     with tf.compat.v1.device(_variable_device(var_device, device)), \
         tf.name_scope(f"tower_{i}"):
       out = forward(image_parts[i], label_parts[i], cfg, training=True,
-                    device=device)
+                    device=device, targets=target_parts[i])
       all_grads.append(optimizer.compute_gradients(
           out.loss, colocate_gradients_with_ops=True))
       outputs.append(out)
@@ -310,7 +313,7 @@ def routing_entropy(c):
 DIAG_VARS = ("digit_caps/weights", "primary_caps/weights", "conv1/weights")
 
 
-def gradient_diagnostic(images, labels, cfg, device=None):
+def gradient_diagnostic(images, labels, cfg, device=None, targets=None):
   """How much of the gradient flows through the routing coefficients.
 
   Builds the model twice on the same variables and batch, with the stop on
@@ -323,9 +326,10 @@ def gradient_diagnostic(images, labels, cfg, device=None):
   for stop in (True, False):
     mode = dataclasses.replace(cfg, stop_gradient=stop)
     with tf.name_scope(f"diag_stop_{stop}"):
-      out = forward(images, labels, mode, training=True, device=device)
+      out = forward(images, labels, mode, training=True, device=device,
+                    targets=targets)
     variables = {v.op.name: v for v in tf.compat.v1.trainable_variables()}
-    targets = [variables["capsnet/" + n] for n in DIAG_VARS]
-    grads[stop] = tf.gradients(out.loss, targets)
+    wrt = [variables["capsnet/" + n] for n in DIAG_VARS]
+    grads[stop] = tf.gradients(out.loss, wrt)
   return {name: tf.norm(full - stop) / tf.norm(full)
           for name, stop, full in zip(DIAG_VARS, grads[True], grads[False])}

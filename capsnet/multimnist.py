@@ -71,14 +71,14 @@ def compose(images, labels, first, second, shifts):
   Args:
     images: `[n, 28, 28, 1]` uint8; labels: `[n]`; first, second: `[m]`
       indices; shifts: `[m, 2, 2]`.
-  Returns: (merged `[m, 36, 36, 1]` uint8, targets `[m, 2, 36, 36, 1]` uint8
-    (the two shifted digits), labels `[m, 2]` int32).
+  Returns: (merged `[m, 36, 36, 1]` uint8, labels `[m, 2]` int32, targets
+    `[m, 2, 36, 36, 1]` uint8: the two shifted digits).
   """
   a = place(images[first, ..., 0], shifts[:, 0])
   b = place(images[second, ..., 0], shifts[:, 1])
   targets = np.stack([a, b], axis=1)[..., None]
   pair_labels = np.stack([labels[first], labels[second]], axis=1).astype(np.int32)
-  return merge(a, b)[..., None], targets, pair_labels
+  return merge(a, b)[..., None], pair_labels, targets
 
 
 def training_pairs(images, labels, first, seed, max_shift=MAX_SHIFT, num_classes=10):
@@ -89,8 +89,8 @@ def training_pairs(images, labels, first, seed, max_shift=MAX_SHIFT, num_classes
     labels: `[n]` int32 tensor, with every class present;
     first: `[b]` int indices of the batch's first digits;
     seed: int64 `[2]`: the same seed gives the same pairs and shifts.
-  Returns: (merged `[b, 36, 36, 1]` uint8, targets `[b, 2, 36, 36, 1]` uint8,
-    labels `[b, 2]` int32).
+  Returns: (merged `[b, 36, 36, 1]` uint8, labels `[b, 2]` int32, targets
+    `[b, 2, 36, 36, 1]` uint8).
   """
   b = tf.shape(first)[0]
   first_labels = tf.gather(labels, first)
@@ -110,7 +110,7 @@ def training_pairs(images, labels, first, seed, max_shift=MAX_SHIFT, num_classes
   c = _place_tf(tf.gather(images, second), shifts[:, 1])
   merged = tf.cast(tf.minimum(tf.cast(a, tf.int32) + tf.cast(c, tf.int32), 255), tf.uint8)
   pair_labels = tf.stack([first_labels, tf.gather(labels, second)], axis=1)
-  return merged, tf.stack([a, c], axis=1), pair_labels
+  return merged, pair_labels, tf.stack([a, c], axis=1)
 
 
 def _place_tf(digits, shifts, canvas=CANVAS):
@@ -182,7 +182,7 @@ def train_pipeline(batch_size, max_shift=MAX_SHIFT, name="train_input"):
     ds = tf.data.Dataset.from_tensor_slices(order).batch(batch_size, drop_remainder=True)
 
     def pairs(k, first):
-      x, t, y = training_pairs(digits, labels, first, tf.stack([seed, first_batch + k]),
+      x, y, t = training_pairs(digits, labels, first, tf.stack([seed, first_batch + k]),
                                max_shift)
       return _float(x), y, _float(t)
     ds = ds.enumerate().map(pairs, num_parallel_calls=2)

@@ -45,7 +45,7 @@ def test_place_and_merge_are_exact():
 def test_compose_keeps_both_shifted_digits_as_targets():
   images, labels = _digits()
   first, second, shifts = multimnist.fixed_pairs(labels, seed=1)
-  merged, targets, pair_labels = multimnist.compose(images, labels, first[:5],
+  merged, pair_labels, targets = multimnist.compose(images, labels, first[:5],
                                                     second[:5], shifts[:5])
   assert merged.shape == (5, 36, 36, 1) and targets.shape == (5, 2, 36, 36, 1)
   np.testing.assert_array_equal(pair_labels, np.stack([labels[first[:5]],
@@ -68,12 +68,12 @@ def test_training_pairs_in_tensorflow():
     seed = tf.compat.v1.placeholder(tf.int64, [2])
     out = multimnist.training_pairs(tf.constant(images), tf.constant(labels, tf.int32),
                                     tf.constant(first), seed)
-    merged, targets, pair_labels = sess.run(out, {seed: [7, 0]})
+    merged, pair_labels, targets = sess.run(out, {seed: [7, 0]})
     again = sess.run(out, {seed: [7, 0]})
     other = sess.run(out, {seed: [7, 1]})
-  for a, b in zip((merged, targets, pair_labels), again):
+  for a, b in zip((merged, pair_labels, targets), again):
     np.testing.assert_array_equal(a, b)
-  assert not np.array_equal(other[1], targets)
+  assert not np.array_equal(other[2], targets)
   np.testing.assert_array_equal(pair_labels[:, 0], labels[first])
   assert (pair_labels[:, 0] != pair_labels[:, 1]).all()
   for k in range(len(first)):
