@@ -30,6 +30,7 @@ from capsnet import evaluation  # noqa: E402
 from capsnet import files  # noqa: E402
 from capsnet import input as data  # noqa: E402
 from capsnet import model  # noqa: E402
+from capsnet import multimnist  # noqa: E402
 from capsnet import pictures  # noqa: E402
 from capsnet import runs  # noqa: E402
 from capsnet import serving  # noqa: E402
@@ -125,12 +126,16 @@ def evaluate_split(cfg, ckpt, run_dir, train_settings, s):
   if s.split == "validation" and not val_size:
     raise runs.RunError(f"--split=validation: {run_dir} was trained with "
                         "--val_size=0, so it has no validation split")
-  splits = data.load(dataset, s.data_dir or f"data/{dataset}", val_size, s.download)
-  images, labels = splits[s.split]
+  data_dir = s.data_dir or config.default_data_dir(dataset)
+  if dataset == "multimnist":
+    splits = multimnist.load(data.load("mnist", data_dir, val_size, s.download),
+                             train_settings.get("multimnist_shift", multimnist.MAX_SHIFT))
+  else:
+    splits = data.load(dataset, data_dir, val_size, s.download)
   s = dataclasses.replace(s, dataset=dataset, out_dir=s.out_dir or os.path.join(
       run_dir, f"eval_{os.path.basename(ckpt)}_r{cfg.iter_routing}_{s.split}"))
   make_writable_folder(s.out_dir)
-  evaluate(cfg, ckpt, images, labels, s)
+  evaluate(cfg, ckpt, splits[s.split], s)
 
 
 def classify_files(cfg, ckpt, s):
@@ -182,12 +187,15 @@ def make_writable_folder(path):
     raise runs.RunError(f"--out_dir={path}: cannot write there ({e.strerror})") from None
 
 
-def evaluate(cfg, ckpt, images, labels, s):
-  """Scores (images, labels) with the checkpoint; writes to s.out_dir and
-  prints the report."""
+def evaluate(cfg, ckpt, split, s):
+  """Scores a split, (images, labels) or for MultiMNIST (images, labels,
+  targets), with the checkpoint; writes to s.out_dir and prints the report."""
   out_dir = s.out_dir
+  images, labels = split[:2]
+  two_digits = len(split) == 3
   with tf.Graph().as_default():
-    ev = evaluation.build(cfg, s.batch_size, config.resolve_device(s.device, "eval.py"))
+    ev = evaluation.build(cfg, s.batch_size, config.resolve_device(s.device, "eval.py"),
+                          two_digits=two_digits)
     figure4 = None
     if cfg.use_decoder:
       v_in = tf.compat.v1.placeholder(ev.outputs.v.dtype, ev.outputs.v.shape)
@@ -200,22 +208,50 @@ def evaluate(cfg, ckpt, images, labels, s):
     proto.gpu_options.allow_growth = True
     with tf.compat.v1.Session(config=proto) as sess:
       saver.restore(sess, ckpt)
-      res = evaluation.run(sess, ev, images, labels)
+      res = evaluation.run(sess, ev, *split)
       result = dict(evaluation.summary(res), checkpoint=ckpt, dataset=s.dataset,
                     split=s.split, iter_routing=cfg.iter_routing)
       files.write_json(os.path.join(out_dir, "results.json"), result)
       write_predictions(os.path.join(out_dir, "predictions.csv"), labels, res)
-      if figure4 and cfg.image_channels == 1:
+      if two_digits and cfg.use_decoder:
+        write_figure5(sess, ev, split, os.path.join(out_dir, "figure5.png"))
+      elif figure4 and cfg.image_channels == 1:
         write_pictures(sess, ev, figure4, images, labels, cfg, s, out_dir)
   print_report(result, out_dir)
 
 
 def write_predictions(path, labels, res):
-  lines = ["index,label,prediction," + ",".join(
+  """One line an example: index, label(s), prediction(s), capsule lengths."""
+  two = np.ndim(labels) == 2
+  head = "label_a,label_b,prediction_a,prediction_b" if two else "label,prediction"
+  lines = [f"index,{head}," + ",".join(
       f"length_{k}" for k in range(res["lengths"].shape[1]))]
   for i, (y, p, lens) in enumerate(zip(labels, res["predictions"], res["lengths"])):
-    lines.append(f"{i},{y},{p}," + ",".join(f"{x:.5f}" for x in lens))
+    ids = f"{y[0]},{y[1]},{p[0]},{p[1]}" if two else f"{y},{p}"
+    lines.append(f"{i},{ids}," + ",".join(f"{x:.5f}" for x in lens))
   files.atomic_write(path, "\n".join(lines) + "\n")
+
+
+def write_figure5(sess, ev, split, path, cases=6, scan=500):
+  """figure5.png: the first `cases` correct and wrong pairs of the first
+  `scan` (two rows: correct, then wrong)."""
+  feed = {ev.images: split[0][:scan], ev.labels: split[1][:scan],
+          ev.targets: split[2][:scan]}
+  sess.run(ev.iterator.initializer, feed)
+  parts = []
+  while True:
+    try:
+      parts.append(sess.run([ev.batch_images, ev.outputs.reconstructions,
+                             ev.outputs.predictions]))
+    except tf.errors.OutOfRangeError:
+      break
+  inputs, recons, preds = (np.concatenate(p) for p in zip(*parts))
+  labels = split[1][:scan]
+  correct = (np.sort(preds, 1) == np.sort(labels, 1)).all(axis=1)
+  picked = list(np.flatnonzero(correct)[:cases]) + list(np.flatnonzero(~correct)[:cases])
+  picture = pictures.figure5(inputs[picked, ..., 0], recons[picked], labels[picked],
+                             preds[picked], per_row=cases)
+  files.atomic_write(path, pictures.encode_png(picture))
 
 
 def write_pictures(sess, ev, figure4, images, labels, cfg, s, out_dir):
@@ -256,11 +292,15 @@ def print_report(result, out_dir):
         f"error {result['error_percent']:.2f}%")
   print(f"loss {result['loss']:.5f} (margin {result['margin_loss_mean']:.5f}, "
         f"reconstruction {result['recon_loss_mean']:.5f})")
-  print("per-class accuracy: " + " ".join(
-      f"{k}:{a:.4f}" for k, a in enumerate(result["per_class_accuracy"])))
-  print("confusion matrix (rows = label, columns = prediction):")
-  for k, row in enumerate(result["confusion"]):
-    print(f"  {k}: " + " ".join(f"{x:5d}" for x in row))
+  if "at_least_one" in result:   # MultiMNIST
+    print(f"both digits right: {result['accuracy']:.4f}, at least one right: "
+          f"{result['at_least_one']:.4f}")
+  else:
+    print("per-class accuracy: " + " ".join(
+        f"{k}:{a:.4f}" for k, a in enumerate(result["per_class_accuracy"])))
+    print("confusion matrix (rows = label, columns = prediction):")
+    for k, row in enumerate(result["confusion"]):
+      print(f"  {k}: " + " ".join(f"{x:5d}" for x in row))
   print(f"wrote {out_dir}: " + ", ".join(sorted(os.listdir(out_dir))))
 
 

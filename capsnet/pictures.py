@@ -81,7 +81,7 @@ _GLYPHS = {
     "6": "111100111101111", "7": "111001010010010", "8": "111101111101111",
     "9": "111101111001111", ".": "000000000000010", " ": "000000000000000",
     "H": "101101111101101", "=": "000111000111000", "c": "000111100100111",
-    "-": "000000111000000",
+    "-": "000000111000000", "L": "100100100100111", "P": "111101111100100",
 }
 
 
@@ -180,6 +180,40 @@ def routing_figure(image, grids, entropies, kernels=(9, 9), stride=2, zoom=6):
     panels += [np.concatenate([panel, label], axis=0), np.ones([size + 16, 8, 3])]
   row = np.concatenate(panels[:-1], axis=1)
   return (np.clip(row, 0, 1) * 255).round().astype(np.uint8)
+
+
+def figure5(inputs, reconstructions, labels, predictions, zoom=3, per_row=6):
+  """Figure 5 of the paper, for MultiMNIST: each case a tile with the input
+  (grey) above the two reconstructions overlaid, the first in red and the
+  second in green (yellow where they overlap), and "L<labels> P<predicted>"
+  below.
+
+  Args:
+    inputs: `[n, s, s]` in [0, 1]; reconstructions: `[n, 2, s * s]`;
+    labels, predictions: `[n, 2]` ints.
+  Returns: uint8 `[H, W, 3]`, `per_row` tiles a row.
+  """
+  n, size = len(inputs), inputs.shape[1]
+  tiles = []
+  for k in range(n):
+    grey = np.repeat(inputs[k][..., None], 3, axis=2)
+    r = reconstructions[k].reshape(2, size, size)
+    overlay = np.stack([r[0], r[1], np.zeros_like(r[0])], axis=2)
+    tile = np.kron(np.concatenate([grey, np.ones([2, size, 3]), overlay], axis=0),
+                   np.ones([zoom, zoom, 1]))
+    label = np.ones([14, tile.shape[1], 3])
+    _paint(label, text(f"L{labels[k][0]}{labels[k][1]} P{predictions[k][0]}"
+                       f"{predictions[k][1]}"), 2, 2, (0, 0, 0))
+    tiles.append(np.concatenate([tile, label], axis=0))
+  blank = np.ones_like(tiles[0])
+  while len(tiles) % per_row:
+    tiles.append(blank)
+  gap = np.ones([tiles[0].shape[0], 6, 3])
+  rows = [np.concatenate(sum(([t, gap] for t in tiles[i:i + per_row]), [])[:-1], axis=1)
+          for i in range(0, len(tiles), per_row)]
+  sep = np.ones([6, rows[0].shape[1], 3])
+  grid = np.concatenate(sum(([r, sep] for r in rows), [])[:-1], axis=0)
+  return (np.clip(grid, 0, 1) * 255).round().astype(np.uint8)
 
 
 def encode_png(array):

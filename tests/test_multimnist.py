@@ -1,9 +1,15 @@
-"""MultiMNIST pieces: the pair generator, the two-label losses, the metric."""
+"""MultiMNIST: the pair generator, the two-label losses and heads, the
+metric, and a small run through train.py and eval.py."""
+import json
+import os
+
 import numpy as np
 import tensorflow as tf
 
 from capsnet import losses
+from capsnet import model
 from capsnet import multimnist
+from conftest import SMALL, cli, needs_mnist, train_here
 
 
 def _digits(n=60, seed=0):
@@ -128,3 +134,67 @@ def test_tensorflow_placement_equals_numpy_for_shifts_up_to_6():
   with tf.Graph().as_default(), tf.compat.v1.Session() as sess:
     got = sess.run(multimnist._place_tf(tf.constant(images), tf.constant(shifts, tf.int32)))
   np.testing.assert_array_equal(got[..., 0], multimnist.place(images[..., 0], shifts))
+
+
+def test_paper_model_on_36x36_has_10x10x32_primary_capsules():
+  cfg = model.ModelConfig(image_size=36)
+  assert (cfg.primary_size, cfg.in_caps) == (10, 3200)
+  with tf.Graph().as_default():
+    images = tf.compat.v1.placeholder(tf.float32, [None, 36, 36, 1])
+    out = model.forward(images, tf.zeros([1, 2], tf.int32), cfg, training=True,
+                        targets=tf.zeros([1, 2, 36, 36, 1]))
+    count = sum(int(np.prod(v.shape)) for v in tf.compat.v1.trainable_variables())
+  # W alone: 3200 x 10 x 8 x 16; the decoder's output layer has 36 * 36 units.
+  assert count == 11_361_808
+  assert out.reconstructions.shape.as_list() == [None, 2, 1296]
+  assert out.predictions.shape.as_list() == [None, 2]
+
+
+def test_two_digit_heads_on_fixed_capsules():
+  """Top-2 predictions, exact-pair accuracy and the two-label margin loss
+  from capsules set by hand (through forward's heads, decoder off)."""
+  cfg = model.ModelConfig(num_classes=4, digit_dim=2, use_decoder=False)
+  v = np.zeros([2, 4, 2])
+  v[0, 1, 0], v[0, 3, 1], v[0, 0, 0] = 0.95, 0.7, 0.3      # top {1, 3}
+  v[1, 2, 0], v[1, 0, 0] = 0.8, 0.6                         # top {2, 0}
+  labels = np.array([[3, 1], [2, 1]])
+  lengths = np.sqrt((v ** 2).sum(-1) + 1e-12)
+  with tf.Graph().as_default(), tf.compat.v1.Session() as sess:
+    top2, recon, margin, recon_loss, correct = model._two_digit_heads(
+        tf.constant(v), tf.constant(lengths), tf.constant(labels, tf.int32), None,
+        cfg, False)
+    assert recon is None
+    top2, margin, recon_loss, correct = sess.run([top2, margin, recon_loss, correct])
+  np.testing.assert_array_equal(top2, [[1, 3], [2, 0]])
+  assert (recon_loss == 0).all()
+  np.testing.assert_array_equal(correct, [1.0, 0.0])
+  # ex 0: present 1 (0.95) and 3 (0.7): 0.04; absent 0: 0.5 * 0.2^2 = 0.02.
+  # ex 1: present 2 (0.8): 0.01, present 1 (0): 0.81; absent 0: 0.5 * 0.5^2.
+  np.testing.assert_allclose(margin, [0.06, 0.945], atol=1e-5)   # (lengths + 1e-12)
+
+
+@needs_mnist
+def test_multimnist_training_and_evaluation_smoke(tmp_path):
+  logdir = str(tmp_path / "run")
+  proc = train_here(*SMALL, "--dataset=multimnist", "--train_size=320", "--epochs=1",
+                    f"--logdir={logdir}", "--diag_every=5")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  saved = json.load(open(os.path.join(logdir, "config.json")))
+  assert saved["model"]["image_size"] == 36 and saved["train"]["multimnist_shift"] == 4
+  row = json.loads(open(os.path.join(logdir, "metrics.jsonl")).readline())
+  assert (row["epoch"], row["step"]) == (1, 10) and 0 <= row["val_accuracy"] <= 1
+  assert row["val_at_least_one"] >= row["val_accuracy"]
+  test = json.load(open(os.path.join(logdir, "test_results.json")))
+  assert test["count"] == 10000 and test["at_least_one"] >= test["accuracy"]
+  out = tmp_path / "eval"
+  proc = cli("eval.py", f"--checkpoint={logdir}", f"--out_dir={out}")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  result = json.load(open(out / "results.json"))
+  assert (result["accuracy"], result["count"]) == (test["accuracy"], 10000)
+  header = open(out / "predictions.csv").readline()
+  assert header.startswith("index,label_a,label_b,prediction_a,prediction_b,length_0")
+  with tf.Graph().as_default(), tf.compat.v1.Session() as sess:
+    picture = sess.run(tf.io.decode_png(open(out / "figure5.png", "rb").read()))
+  tile = (36 * 2 + 2) * 3 + 14
+  assert picture.shape == (2 * tile + 6, 6 * 36 * 3 + 5 * 6, 3)
+  assert "both digits right:" in proc.stdout
