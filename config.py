@@ -4,10 +4,12 @@ Only train.py / eval.py / capsnet.study call the `define_*` functions (at
 import) and read FLAGS (in main); the graph builder takes the plain config.
 """
 import dataclasses
+import os
 
 from absl import flags
 import tensorflow as tf
 
+from capsnet import cluster
 from capsnet import input as data
 from capsnet import model
 from capsnet import multimnist
@@ -117,6 +119,33 @@ def define_train_flags():
   flags.DEFINE_integer("val_every", 0, "steps between extra validations inside "
                        "an epoch (0: only at epoch ends)", lower_bound=0)
   flags.DEFINE_bool("progress", True, "show a tqdm progress bar")
+  define_cluster_flags()
+
+
+def define_cluster_flags():
+  """Between-graph replication (capsnet/cluster.py); TF_CONFIG is the
+  alternative to the first four."""
+  flags.DEFINE_list("ps_hosts", [], "cluster: the ps tasks, host:port,...")
+  flags.DEFINE_list("worker_hosts", [], "cluster: the workers, host:port,... "
+                    "(the first is the chief)")
+  flags.DEFINE_enum("job_name", None, ["ps", "worker"], "cluster: this task's job")
+  flags.DEFINE_integer("task_index", 0, "cluster: this task's index in its job",
+                       lower_bound=0)
+  flags.DEFINE_bool("sync", True, "cluster: synchronous updates (one gradient a "
+                    "worker aggregated per step; effective batch = workers x "
+                    "--batch_size); false: asynchronous")
+  flags.DEFINE_integer("cluster_wait_secs", 60, "cluster: how long to wait for "
+                       "the ps tasks and for the chief", lower_bound=1)
+
+
+def cluster_from_flags(values):
+  """The cluster of --ps_hosts/--worker_hosts/--job_name/--task_index, else
+  of TF_CONFIG, else None. Raises cluster.ClusterError (a ValueError)."""
+  info = cluster.from_flags(values["ps_hosts"].value, values["worker_hosts"].value,
+                            values["job_name"].value, values["task_index"].value)
+  if info is None and os.environ.get("TF_CONFIG"):
+    info = cluster.from_tf_config(os.environ["TF_CONFIG"])
+  return info
 
 
 def model_config_from_flags(values):

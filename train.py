@@ -39,6 +39,8 @@ import tensorflow as tf  # noqa: E402
 import tqdm  # noqa: E402
 
 import config  # noqa: E402
+from capsnet import cluster  # noqa: E402
+from capsnet import distributed  # noqa: E402
 from capsnet import evaluation  # noqa: E402
 from capsnet import files  # noqa: E402
 from capsnet import input as data  # noqa: E402
@@ -59,7 +61,7 @@ RESUMABLE_CHANGES = ("precision", "conv_impl")
 # RESUMABLE_SETTINGS must be the same when a run resumes.
 RECORDED_SETTINGS = ("dataset", "val_size", "train_size", "batch_size",
                      "learning_rate", "decay_steps", "decay_rate", "seed", "epochs",
-                     "multimnist_shift")
+                     "multimnist_shift", "workers", "sync")
 RESUMABLE_SETTINGS = ("epochs",)
 
 
@@ -96,6 +98,10 @@ class Settings:
   diag_every: int           # 0: off
   val_every: int            # 0: epoch ends only
   progress: bool
+  cluster: cluster.ClusterInfo   # None: one process
+  workers: int              # workers training together (1: one process)
+  sync: bool                # a cluster's updates: synchronous
+  cluster_wait_secs: int
 
   def recorded(self):
     """The part of the settings that config.json keeps."""
@@ -105,10 +111,16 @@ class Settings:
 def settings_from_flags(values):
   """A `Settings` from parsed flags; resolves the device and data defaults.
 
-  Raises: ValueError for a batch that does not split over the towers.
+  Raises: ValueError for a batch that does not split over the towers or a
+  cluster description that cannot be used (cluster.ClusterError).
   """
-  names = [f.name for f in dataclasses.fields(Settings)]
+  derived = ("cluster", "workers")
+  names = [f.name for f in dataclasses.fields(Settings) if f.name not in derived]
   kwargs = {name: values[name].value for name in names}
+  kwargs["cluster"] = config.cluster_from_flags(values)
+  kwargs["workers"] = cluster.num_workers(kwargs["cluster"])
+  if kwargs["cluster"] and kwargs["dataset"] == "multimnist":
+    raise ValueError("--dataset=multimnist does not run on a cluster yet")
   kwargs["device"] = config.resolve_device(kwargs["device"], "train.py")
   kwargs["data_dir"] = kwargs["data_dir"] or config.default_data_dir(kwargs["dataset"])
   if kwargs["batch_size"] % kwargs["num_gpus"]:
@@ -283,7 +295,7 @@ class RunState:
 TrainGraph = collections.namedtuple("TrainGraph", [
     "graph", "state", "input", "lr", "train_op", "loss", "accuracy", "summary",
     "eval", "diag", "saver_latest", "saver_best", "saver_without_optional",
-    "init", "init_optional"])
+    "init", "init_optional", "cluster"])
 
 
 def build_graph(cfg, s, devices, fixed_batch):
@@ -295,22 +307,25 @@ def build_graph(cfg, s, devices, fixed_batch):
   Returns: a `TrainGraph`.
   """
   graph = tf.Graph()
-  with graph.as_default():
+  with graph.as_default(), distributed.device_scope(s.cluster):
     tf.compat.v1.set_random_seed(s.seed)
     state = RunState()
     if s.dataset == "multimnist":
       pipe = multimnist.train_pipeline(s.batch_size, s.multimnist_shift)
       images, labels, targets = pipe.batch
     else:
+      shard = (s.cluster.index if s.cluster else 0, s.workers)
       pipe = data.fed_pipeline([cfg.image_size, cfg.image_size, cfg.image_channels],
                                s.batch_size, augment=True, drop_remainder=True,
-                               name="train_input")
+                               name="train_input", shard=shard)
       (images, labels), targets = pipe.batch, None
     lr = tf.compat.v1.train.exponential_decay(
         s.learning_rate, state.global_step, s.decay_steps, s.decay_rate)
-    opt = tf.compat.v1.train.AdamOptimizer(lr)
-    grads, outs = model.tower_gradients(images, labels, cfg, opt, devices,
-                                        targets=targets)
+    opt = distributed.wrap_optimizer(tf.compat.v1.train.AdamOptimizer(lr), s.cluster,
+                                     s.sync)
+    grads, outs = model.tower_gradients(
+        images, labels, cfg, opt, devices, targets=targets,
+        variables_on=distributed.variable_device(s.cluster))
     train_op = opt.apply_gradients(grads, state.global_step)
     n = float(len(outs))
     loss = tf.add_n([o.loss for o in outs]) / n
@@ -332,10 +347,11 @@ def build_graph(cfg, s, devices, fixed_batch):
         [v for v in tf.compat.v1.global_variables() if v not in state.optional])
     init = tf.compat.v1.global_variables_initializer()
     init_optional = tf.compat.v1.variables_initializer(state.optional)
+    coordination = distributed.coordination(s.cluster, opt)
   graph.finalize()
   return TrainGraph(graph, state, pipe, lr, train_op, loss, accuracy, summary, ev,
                     diag, saver_latest, saver_best, saver_without_optional, init,
-                    init_optional)
+                    init_optional, coordination)
 
 
 def _summaries(out, images, lr):
@@ -406,7 +422,8 @@ class StopRequest:
 
 
 # What one call of `train` works with.
-Run = collections.namedtuple("Run", ["sess", "g", "s", "splits", "writer", "stop"])
+Run = collections.namedtuple("Run", ["sess", "g", "s", "splits", "writer", "stop",
+                                     "chief"])
 
 
 def main(argv):
@@ -415,14 +432,19 @@ def main(argv):
   try:
     cfg = config.model_config_from_flags(FLAGS)
     s = settings_from_flags(FLAGS)
+    if s.cluster and s.cluster.job == "ps":
+      why = distributed.serve_ps(s.cluster)
+      print(f"train.py: ps task {s.cluster.index} ends: {why}")
+      return
     devices = tower_devices(s.device, s.num_gpus)
-    check_logdir(s.logdir, cfg, s)
+    if cluster.is_chief(s.cluster):   # the only process that writes the logdir
+      check_logdir(s.logdir, cfg, s)
     splits = load_splits(s, cfg)
   except ValueError as e:   # DataError is a ValueError
     sys.exit(f"train.py: error: {e}")
   try:
     train(cfg, s, devices, splits)
-  except (TrainingError, runs.RunError) as e:
+  except (TrainingError, runs.RunError, cluster.ClusterError) as e:
     sys.exit(f"train.py: error: {e}")
   except OSError as e:
     sys.exit(f"train.py: error: {e.filename or s.logdir}: {e.strerror or e}")
@@ -445,39 +467,81 @@ def train(cfg, s, devices, splits):
 
   Writes config.json once the graph is built and the session restored or
   initialised. Exits with status 130 after a Ctrl-C, once the checkpoint is
-  saved.
+  saved. On a cluster only the chief restores, validates, saves and writes.
   """
   if s.dataset == "multimnist":   # fixed pairs: the first 32 of validation
     fixed_batch = tuple(a[:32] for a in splits["validation"])
   else:
     fixed_batch = tuple(a[:32] for a in splits["train"])
+  devices = distributed.worker_devices(s.cluster, devices)
+  server = distributed.start_server(s.cluster) if s.cluster else None
+  if s.cluster:
+    cluster.wait_for(s.cluster.spec["ps"], s.cluster_wait_secs, "ps")
   g = build_graph(cfg, s, devices, fixed_batch)
-  stop = StopRequest()
+  chief = cluster.is_chief(s.cluster)
+  stop, runner = StopRequest(), None
   previous_handler = signal.signal(signal.SIGINT, stop)
   try:
-    with tf.compat.v1.Session(graph=g.graph, config=session_config(
-        devices, s.log_device_placement)) as sess:
-      pos, resumed = restore_or_init(sess, g, s)
-      write_config(s.logdir, cfg, s)
-      writer = tf.compat.v1.summary.FileWriter(s.logdir, None if resumed else g.graph)
-      if resumed:   # TensorBoard drops what the first attempt logged after pos.step
-        writer.add_session_log(tf.compat.v1.SessionLog(
-            status=tf.compat.v1.SessionLog.START), pos.step)
-      run = Run(sess, g, s, splits, writer, stop)
-      while pos.epoch < s.epochs and not out_of_steps(s, pos) and not stop.requested:
-        stats = run_epoch(run, pos)
-        if stop.requested or pos.examples < steps_per_epoch(run) * s.batch_size:
-          save(run, g.saver_latest, "latest", pos)
-          break
-        end_epoch(run, pos, stats)
+    with open_session(g, s, devices, server) as sess:
+      pos, resumed = restore_or_init(sess, g, s) if chief else (g.state.load(sess), True)
+      if s.cluster and chief:
+        runner = distributed.start_chief(sess, g.cluster)
+      writer = start_writing(g, s, cfg, pos, resumed) if chief else NullWriter()
+      run = Run(sess, g, s, splits, writer, stop, chief)
+      train_epochs(run, pos)
       writer.flush()
       if stop.requested:
         print(f"Saved {tf.train.latest_checkpoint(_folder(s, 'latest'))}; run "
               f"again with --logdir={s.logdir} to resume")
         sys.exit(130)
-      final_test(run)
+      if chief:
+        final_test(run)
+      if s.cluster and chief:
+        distributed.stop_chief(sess, g.cluster, runner)
   finally:
     signal.signal(signal.SIGINT, previous_handler)
+    distributed.join_chief(runner)
+
+
+def open_session(g, s, devices, server):
+  proto = session_config(devices, s.log_device_placement)
+  if server is None:
+    return tf.compat.v1.Session(graph=g.graph, config=proto)
+  return distributed.open_session(s.cluster, server, g.graph,
+                                  distributed.session_config(s.cluster, proto),
+                                  g.cluster, s.cluster_wait_secs)
+
+
+def start_writing(g, s, cfg, pos, resumed):
+  """config.json and the events file (the chief's)."""
+  write_config(s.logdir, cfg, s)
+  writer = tf.compat.v1.summary.FileWriter(s.logdir, None if resumed else g.graph)
+  if resumed:   # TensorBoard drops what the first attempt logged after pos.step
+    writer.add_session_log(tf.compat.v1.SessionLog(
+        status=tf.compat.v1.SessionLog.START), pos.step)
+  return writer
+
+
+class NullWriter:
+  """What a worker other than the chief writes events with: nothing."""
+
+  def add_summary(self, *args):
+    pass
+
+  def flush(self):
+    pass
+
+
+def train_epochs(run, pos):
+  """Epochs until --epochs, --max_steps or a Ctrl-C (then a checkpoint)."""
+  s = run.s
+  while pos.epoch < s.epochs and not out_of_steps(s, pos) and not run.stop.requested:
+    stats = run_epoch(run, pos)
+    if run.stop.requested or pos.examples < epoch_images(run):
+      if run.chief:
+        save(run, run.g.saver_latest, "latest", pos)
+      return
+    end_epoch(run, pos, stats)
 
 
 def _folder(s, which):
@@ -485,7 +549,12 @@ def _folder(s, which):
 
 
 def steps_per_epoch(run):
-  return len(run.splits["train"][0]) // run.s.batch_size
+  """Steps an epoch: a step takes --batch_size examples from each worker."""
+  return len(run.splits["train"][0]) // (run.s.batch_size * run.s.workers)
+
+
+def epoch_images(run):
+  return steps_per_epoch(run) * run.s.batch_size * run.s.workers
 
 
 def out_of_steps(s, pos):
@@ -555,6 +624,8 @@ def save(run, saver, which, pos):
   checkpoints listed before stay listed and whole.
   """
   folder = _folder(run.s, which)
+  if run.s.cluster and run.s.sync:
+    distributed.wait_for_global_step(run.sess, run.g.state.global_step, pos.step)
   try:
     with run.stop.deferred():
       run.g.state.save(run.sess, saver, folder, pos)
@@ -583,8 +654,10 @@ def run_epoch(run, pos):
   """
   sess, g, s = run.sess, run.g, run.s
   train_x, train_y = run.splits["train"]
-  order = data.epoch_order(len(train_x), s.seed, pos.epoch)[pos.examples:]
-  done_batches = pos.examples // s.batch_size
+  order = data.shard_order(data.epoch_order(len(train_x), s.seed, pos.epoch),
+                           s.batch_size, s.cluster.index if s.cluster else 0,
+                           s.workers)[pos.examples // s.workers:]
+  done_batches = pos.examples // (s.batch_size * s.workers)
   feed = {g.input.seed: s.seed * 100003 + pos.epoch, g.input.first_batch: done_batches}
   if s.dataset == "multimnist":   # the digits once; pairs drawn in the pipeline
     feed.update({g.input.images: train_x, g.input.labels: train_y,
@@ -627,23 +700,25 @@ def train_step(run, pos, stats):
     raise TrainingError(
         f"loss is {loss} at step {pos.step}; stopped without saving, the last "
         f"good checkpoint is {tf.train.latest_checkpoint(_folder(s, 'latest'))}")
-  pos.examples += s.batch_size
+  pos.examples += s.batch_size * s.workers
   pos.loss_sum += float(loss)
   pos.accuracy_sum += float(accuracy)
   pos.summed_steps += 1
-  stats.images += s.batch_size
+  stats.images += s.batch_size * s.workers
   stats.last_loss, stats.last_accuracy = loss, accuracy
   if want_summary:
     run.writer.add_summary(res[3], pos.step)
+  if not run.chief:   # the chief validates, saves and records
+    return True
   if g.diag and (pos.step % s.diag_every == 0 or pos.step == 1):
     record_diagnostic(run, pos)
-  epoch_images = steps_per_epoch(run) * s.batch_size
-  if s.val_every and pos.step % s.val_every == 0 and pos.examples < epoch_images:
+  images = epoch_images(run)
+  if s.val_every and pos.step % s.val_every == 0 and pos.examples < images:
     t = time.time()
-    validate(run, pos, {"epoch": round(pos.epoch + pos.examples / epoch_images, 3),
+    validate(run, pos, {"epoch": round(pos.epoch + pos.examples / images, 3),
                         "step": pos.step})
     stats.val_seconds += time.time() - t
-  if pos.step % s.save_every == 0 and pos.examples < epoch_images:
+  if pos.step % s.save_every == 0 and pos.examples < images:
     save(run, g.saver_latest, "latest", pos)   # (end_epoch saves the last step)
   return True
 
@@ -662,8 +737,9 @@ def end_epoch(run, pos, stats):
          "train_accuracy": pos.accuracy_sum / n if n else None}
   pos.epoch, pos.examples = pos.epoch + 1, 0
   pos.loss_sum, pos.accuracy_sum, pos.summed_steps = 0.0, 0.0, 0
-  validate(run, pos, row)
-  save(run, run.g.saver_latest, "latest", pos)
+  if run.chief:
+    validate(run, pos, row)
+    save(run, run.g.saver_latest, "latest", pos)
 
 
 def validate(run, pos, row):
@@ -718,8 +794,7 @@ def record_diagnostic(run, pos):
   values = {k: float(v) for k, v in run.sess.run(run.g.diag).items()}
   add_scalars(run.writer, pos.step,
               {f"grad_through_routing/{k}": v for k, v in values.items()})
-  epoch_images = steps_per_epoch(run) * run.s.batch_size
-  row = {"step": pos.step, "epoch": round(pos.epoch + pos.examples / epoch_images, 3)}
+  row = {"step": pos.step, "epoch": round(pos.epoch + pos.examples / epoch_images(run), 3)}
   row.update(values)
   files.append_jsonl(os.path.join(run.s.logdir, "diagnostics.jsonl"), row)
 

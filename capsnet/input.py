@@ -251,18 +251,36 @@ def epoch_order(n, seed, epoch):
   return np.random.RandomState([seed, epoch]).permutation(n)
 
 
-def random_shift(images, seed, max_shift=MAX_SHIFT):
+def shard_order(order, batch_size, index, count):
+  """Worker `index` of `count`'s part of an epoch order: of each global batch
+  of `count * batch_size` consecutive examples, its `batch_size`; the
+  incomplete last global batch is dropped."""
+  if count == 1:
+    return order
+  steps = len(order) // (batch_size * count)
+  return order[:steps * batch_size * count].reshape(steps, count, batch_size)[:, index] \
+      .reshape(-1)
+
+
+def random_shift(images, seed, max_shift=MAX_SHIFT, shard=(0, 1)):
   """Shifts each image by its own random (dy, dx) in [-max_shift, max_shift],
   filling with zeros: an exact translation.
 
   Args:
     images: `[batch, rows, cols, channels]`.
     seed: int32/int64 `[2]` seed of the stateless generator.
+    shard: (index, count): the images are part `index` of a batch `count`
+      times as large, and get that part of its shifts (so that workers that
+      split a batch shift each image as one process would).
   Returns: `(shifted images, shifts [batch, 2] int32)`.
   """
   rows, cols = images.shape[1], images.shape[2]
-  shifts = tf.random.stateless_uniform([tf.shape(images)[0], 2], seed, -max_shift,
-                                       max_shift + 1, dtype=tf.int32)
+  index, count = shard
+  batch = tf.shape(images)[0]
+  shifts = tf.random.stateless_uniform([batch * count if count > 1 else batch, 2],
+                                       seed, -max_shift, max_shift + 1, dtype=tf.int32)
+  if count > 1:
+    shifts = shifts[index * batch:(index + 1) * batch]
   pad = [[0, 0], [max_shift, max_shift], [max_shift, max_shift], [0, 0]]
   padded = tf.pad(images, pad)
   # Output pixel (y, x) takes padded pixel (y + max_shift - dy, x + max_shift - dx).
@@ -274,7 +292,7 @@ def random_shift(images, seed, max_shift=MAX_SHIFT):
 
 
 def make_dataset(images, labels, batch_size, augment=False, seed=0,
-                 drop_remainder=False, prefetch=2, first_batch=0):
+                 drop_remainder=False, prefetch=2, first_batch=0, shard=(0, 1)):
   """A batched tf.data pipeline over in-memory arrays (or tensors fed at
   iterator initialisation) in the order given; the trainer passes each epoch's
   permutation (`epoch_order`).
@@ -287,6 +305,8 @@ def make_dataset(images, labels, batch_size, augment=False, seed=0,
       stateless seed (seed, first_batch + k), so a run is reproducible and
       resumable part-way through an epoch.
     drop_remainder: False (evaluation) keeps the last partial batch.
+    shard: (index, count) for a worker whose batches are part `index` of
+      the `count` parts of one global batch (see `random_shift`).
   Yields: `(images [batch, rows, cols, channels] float32 in [0, 1],
     labels [batch] int32)`.
   """
@@ -297,7 +317,7 @@ def make_dataset(images, labels, batch_size, augment=False, seed=0,
     x, y = batch
     if augment:
       k = k + tf.cast(first_batch, tf.int64)
-      x, _ = random_shift(x, tf.stack([tf.cast(seed, tf.int64), k]))
+      x, _ = random_shift(x, tf.stack([tf.cast(seed, tf.int64), k]), shard=shard)
     return tf.cast(x, tf.float32) / 255.0, tf.cast(y, tf.int32)
   ds = ds.map(prepare, num_parallel_calls=2)
   return ds.prefetch(prefetch).with_options(dataset_options())
@@ -324,7 +344,7 @@ Pipeline = collections.namedtuple("Pipeline", [
 
 
 def fed_pipeline(image_shape, batch_size, augment=False, drop_remainder=False,
-                 name="input"):
+                 name="input", shard=(0, 1)):
   """Placeholders for one split's arrays and the batches over them, on the CPU.
 
   The arrays are fed when `iterator.initializer` runs, so one graph serves
@@ -335,6 +355,7 @@ def fed_pipeline(image_shape, batch_size, augment=False, drop_remainder=False,
     augment: shift augmentation; adds the `seed` and `first_batch`
       placeholders, to be fed with the arrays.
     name: the name scope.
+    shard: see `make_dataset`.
   Returns: a `Pipeline`.
   """
   with tf.device("/cpu:0"), tf.name_scope(name):
@@ -346,7 +367,8 @@ def fed_pipeline(image_shape, batch_size, augment=False, drop_remainder=False,
       first_batch = tf.compat.v1.placeholder(tf.int64, [], name="first_batch")
     ds = make_dataset(images, labels, batch_size, augment=augment,
                       seed=0 if seed is None else seed, drop_remainder=drop_remainder,
-                      first_batch=0 if first_batch is None else first_batch)
+                      first_batch=0 if first_batch is None else first_batch,
+                      shard=shard)
     iterator = tf.compat.v1.data.make_initializable_iterator(ds)
     batch = iterator.get_next()
   return Pipeline(images, labels, seed, first_batch, iterator, batch)

@@ -238,18 +238,21 @@ def _compute_dtype(cfg):
 
 
 def _variable_device(variable_device, compute_device):
-  """Device function: variables on `variable_device`, other ops on `compute_device`."""
+  """Device function: variables on `variable_device` (a device or a device
+  function, e.g. `replica_device_setter`), other ops on `compute_device`."""
   var_ops = {"Variable", "VariableV2", "VarHandleOp", "AutoReloadVariable"}
 
   def place(op):
     if op.device:
       return op.device
-    return variable_device if op.type in var_ops else compute_device
+    if op.type not in var_ops:
+      return compute_device
+    return variable_device(op) if callable(variable_device) else variable_device
   return place
 
 
 def tower_gradients(images, labels, cfg, optimizer, devices,
-                    variable_device="/cpu:0", targets=None):
+                    variable_device="/cpu:0", targets=None, variables_on=None):
   """Splits the batch over towers and computes each tower's gradients.
 
   Towers are `tower_{i}` name scopes over one reused `capsnet` variable
@@ -260,6 +263,8 @@ def tower_gradients(images, labels, cfg, optimizer, devices,
   Args:
     images, labels: the whole batch; its size must divide by len(devices).
     targets: the MultiMNIST reconstruction targets of the batch, or None.
+    variables_on: where the variables go whatever the number of towers
+      (a device function: the ps tasks of a cluster), or None.
     devices: one device string per tower, e.g. ["/gpu:0", "/gpu:1"].
   Returns:
     grads_and_vars: gradients averaged over the towers.
@@ -274,7 +279,7 @@ def tower_gradients(images, labels, cfg, optimizer, devices,
       tf.split(targets, n) if n > 1 else [targets])
   all_grads, outputs = [], []
   for i, device in enumerate(devices):
-    var_device = device if n == 1 else variable_device
+    var_device = variables_on or (device if n == 1 else variable_device)
     with tf.compat.v1.device(_variable_device(var_device, device)), \
         tf.name_scope(f"tower_{i}"):
       out = forward(image_parts[i], label_parts[i], cfg, training=True,

@@ -305,3 +305,25 @@ def test_real_mnist_md5_and_label_histograms():
       980, 1135, 1032, 1010, 982, 892, 958, 1028, 974, 1009]
   default = data.load("mnist", MNIST_DIR, download_missing=False)
   assert [len(default[s][1]) for s in ("train", "validation", "test")] == [55000, 5000, 10000]
+
+
+def test_shards_of_a_batch_shift_as_the_whole_batch_does():
+  """Two workers' halves of each batch of 8 (from shard_order) get exactly
+  the images and shifts that one pipeline with batches of 8 gives."""
+  rng = np.random.RandomState(0)
+  images = rng.randint(0, 256, (20, 6, 6, 1)).astype(np.uint8)
+  labels = np.arange(20) % 10
+  order = data.epoch_order(20, 1, 0)
+  def batches(order, batch, shard):
+    ds = data.make_dataset(images[order], labels[order], batch, augment=True, seed=5,
+                           drop_remainder=True, shard=shard)
+    return _run_dataset(ds)
+  whole = batches(order, 8, (0, 1))
+  halves = [batches(data.shard_order(order, 4, w, 2), 4, (w, 2)) for w in range(2)]
+  assert len(whole) == len(halves[0]) == len(halves[1]) == 2   # 16 of 20 used
+  for k in range(2):
+    np.testing.assert_array_equal(np.concatenate([halves[0][k][0], halves[1][k][0]]),
+                                  whole[k][0])
+    np.testing.assert_array_equal(np.concatenate([halves[0][k][1], halves[1][k][1]]),
+                                  whole[k][1])
+  np.testing.assert_array_equal(data.shard_order(order, 4, 1, 2), order[[4, 5, 6, 7, 12, 13, 14, 15]])
