@@ -1,0 +1,136 @@
+"""Training on a cluster (TensorFlow's distributed runtime) on loopback
+addresses: synchronous averaging, the chief's checkpoint, asynchronous
+updates, and cluster descriptions that cannot work."""
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from capsnet import cluster
+from conftest import ROOT, SMALL, cli, last_line, needs_mnist, train_here
+
+# 320 training images: with 2 workers x 16 a step, 10 steps an epoch.
+ARGS = [*SMALL[:5], "--val_size=500", "--eval_batch_size=300", "--progress=false",
+        *SMALL[-2:], "--train_size=320"]
+
+
+def launch(logdir, *args, workers=2, timeout=240):
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=ROOT)
+  return subprocess.run([sys.executable, "-m", "capsnet.cluster", "--ps=1",
+                         f"--workers={workers}", "--", *ARGS, f"--logdir={logdir}",
+                         *args], capture_output=True, text=True, env=env, cwd=ROOT,
+                        timeout=timeout)
+
+
+def model_weights(ckpt):
+  reader = tf.train.load_checkpoint(ckpt)
+  return {n: reader.get_tensor(n) for n in reader.get_variable_to_shape_map()
+          if n.startswith("capsnet/") and "Adam" not in n}
+
+
+@pytest.fixture(scope="module")
+def sync_run(tmp_path_factory):
+  """1 ps + 2 workers, synchronous, batches of 16 each, one epoch (10 steps)."""
+  logdir = str(tmp_path_factory.mktemp("cluster") / "sync")
+  proc = launch(logdir, "--batch_size=16", "--epochs=1")
+  assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+  return logdir, proc
+
+
+@needs_mnist
+def test_two_synchronous_workers_average_as_one_process_with_twice_the_batch(
+    sync_run, tmp_path):
+  logdir, proc = sync_run
+  single = str(tmp_path / "single")
+  done = train_here(*ARGS, "--batch_size=32", "--epochs=1", f"--logdir={single}")
+  assert done.returncode == 0, done.stderr[-3000:]
+  ckpt = lambda d: tf.train.latest_checkpoint(os.path.join(d, "latest"))
+  assert ckpt(logdir).endswith("-10") and ckpt(single).endswith("-10")
+  ours, theirs = model_weights(ckpt(logdir)), model_weights(ckpt(single))
+  assert sorted(ours) == sorted(theirs) and len(ours) == 9
+  for name in ours:   # float32 rounding only: the order of the sums differs
+    scale = np.abs(theirs[name]).max()
+    assert np.abs(ours[name] - theirs[name]).max() <= 1e-5 * scale, name
+  assert any(not np.array_equal(ours[n], theirs[n]) for n in ours)   # two processes
+  saved = json.load(open(os.path.join(logdir, "config.json")))["train"]
+  assert (saved["workers"], saved["sync"], saved["batch_size"]) == (2, True, 16)
+  rows = [json.loads(l) for l in open(os.path.join(logdir, "metrics.jsonl"))]
+  assert [(r["epoch"], r["step"]) for r in rows] == [(1, 10)]
+  assert re.match(r"cluster: 1 ps, 2 worker\(s\) on 127\.0\.0\.1 ports", proc.stdout)
+
+
+@needs_mnist
+def test_chief_checkpoint_is_evaluated_by_eval(sync_run, tmp_path):
+  logdir, _ = sync_run
+  proc = cli("eval.py", f"--checkpoint={logdir}", "--split=validation",
+             f"--out_dir={tmp_path}")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  result = json.load(open(tmp_path / "results.json"))
+  row = json.loads(open(os.path.join(logdir, "metrics.jsonl")).readline())
+  assert (result["count"], result["accuracy"]) == (500, row["val_accuracy"])
+  test = json.load(open(os.path.join(logdir, "test_results.json")))
+  assert test["count"] == 10000
+
+
+@needs_mnist
+def test_asynchronous_workers_train_and_every_process_ends(tmp_path):
+  logdir = str(tmp_path / "async")
+  started = time.time()
+  proc = launch(logdir, "--batch_size=16", "--max_steps=6", "--sync=false")
+  assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+  assert time.time() - started < 120
+  logs = proc.stdout.split("logs of the others in ")[1].split()[0]
+  ps_log = open(os.path.join(logs, "ps_0.log")).read()
+  assert "train.py: ps task 0 ends: done" in ps_log
+  ckpt = tf.train.latest_checkpoint(os.path.join(logdir, "latest"))
+  assert ckpt is not None and json.load(open(os.path.join(
+      logdir, "config.json")))["train"]["sync"] is False
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--ps_hosts=localhost:1"], "--ps_hosts and --worker_hosts go together (and "
+     "with --job_name and --task_index)"),
+    (["--ps_hosts=localhost", "--worker_hosts=localhost:2", "--job_name=worker"],
+     "--ps_hosts: 'localhost' is not host:port"),
+    (["--ps_hosts=localhost:1", "--worker_hosts=localhost:2", "--job_name=worker",
+      "--task_index=1"], "--task_index=1: the worker job has 1 task(s)"),
+])
+def test_bad_cluster_description_is_one_line(args, message):
+  proc = train_here(*args)
+  assert proc.returncode == 1
+  assert proc.stderr.strip().splitlines() == [f"train.py: error: {message}"]
+
+
+@needs_mnist
+def test_unreachable_ps_is_one_line_within_the_wait():
+  ps, worker = cluster.free_ports(2)
+  started = time.time()
+  proc = cli("train.py", *ARGS, "--batch_size=16", f"--ps_hosts=127.0.0.1:{ps}",
+             f"--worker_hosts=127.0.0.1:{worker}", "--job_name=worker",
+             "--cluster_wait_secs=2", "--logdir=/nonexistent/never/written")
+  assert proc.returncode == 1
+  assert last_line(proc) == (f"train.py: error: ps task 0 at 127.0.0.1:{ps} not "
+                             "reachable within 2 s (--cluster_wait_secs)")
+  assert time.time() - started < 60
+
+
+def test_tf_config_and_launcher_commands():
+  config = {"cluster": {"ps": ["a:1"], "worker": ["b:2", "c:3"]},
+            "task": {"type": "worker", "index": 1}}
+  info = cluster.from_tf_config(json.dumps(config))
+  assert info == cluster.ClusterInfo({"ps": ["a:1"], "worker": ["b:2", "c:3"]},
+                                     "worker", 1)
+  assert cluster.num_workers(info) == 2 and not cluster.is_chief(info)
+  with pytest.raises(cluster.ClusterError, match="TF_CONFIG: not a usable cluster"):
+    cluster.from_tf_config("{")
+  cmds = cluster.commands(1, 2, ["--epochs=1"], [10, 11, 12])
+  assert sorted(cmds) == [("ps", 0), ("worker", 0), ("worker", 1)]
+  assert cmds[("worker", 1)][2:] == [
+      "--epochs=1", "--ps_hosts=127.0.0.1:10", "--worker_hosts=127.0.0.1:11,127.0.0.1:12",
+      "--job_name=worker", "--task_index=1"]
