@@ -432,6 +432,10 @@ def main(argv):
   try:
     cfg = config.model_config_from_flags(FLAGS)
     s = settings_from_flags(FLAGS)
+    if s.cluster and cfg.precision == "bf16":
+      raise ValueError("--precision=bf16 on a cluster: TensorFlow's distributed "
+                       "runtime fuses the bfloat16 Conv1 into an op without a "
+                       "bfloat16 CPU kernel; use --precision=fp32")
     if s.cluster and s.cluster.job == "ps":
       why = distributed.serve_ps(s.cluster)
       print(f"train.py: ps task {s.cluster.index} ends: {why}")

@@ -1,0 +1,38 @@
+"""The shipped weights: the end-to-end numerical regression test. Scores all
+10,000 MNIST test images with pretrained/r3_recon (in float32, as its
+config.json says) and asserts the exact number of errors the README gives:
+a change to the layers that changes a prediction fails it."""
+import os
+
+import pytest
+import tensorflow as tf
+
+from capsnet import evaluation
+from capsnet import input as data
+from capsnet import runs
+from conftest import MNIST, ROOT, needs_mnist
+
+PRETRAINED = os.path.join(ROOT, "pretrained", "r3_recon")
+TEST_ERRORS = 38   # `python eval.py --checkpoint pretrained/r3_recon` (README)
+
+
+@needs_mnist
+@pytest.mark.skipif(not os.path.exists(os.path.join(PRETRAINED, "config.json")),
+                    reason="no shipped weights")
+def test_shipped_weights_make_the_readme_number_of_test_errors():
+  ckpt, run = runs.resolve(PRETRAINED, "best")
+  assert runs.damage(ckpt) is None
+  cfg = runs.load_config(run)[0]
+  assert cfg.precision == "fp32"
+  images, labels = data.load("mnist", MNIST, 5000, download_missing=False)["test"]
+  with tf.Graph().as_default():
+    ev = evaluation.build(cfg, 500)
+    runs.check_matches(ckpt, tf.compat.v1.global_variables())
+    with tf.compat.v1.Session() as sess:
+      tf.compat.v1.train.Saver().restore(sess, ckpt)
+      result = evaluation.run(sess, ev, images, labels)
+  errors = int((result["predictions"] != labels).sum())
+  assert result["count"] == 10000
+  assert errors == TEST_ERRORS
+  readme = open(os.path.join(ROOT, "README.md")).read()
+  assert f"{errors} errors on the 10,000 test images" in readme
