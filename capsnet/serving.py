@@ -12,7 +12,6 @@ predicted class's capsule).
 """
 import os
 
-import numpy as np
 import tensorflow as tf
 
 from capsnet import model
@@ -73,7 +72,3 @@ def export(cfg, ckpt, folder):
           signature_def_map={"serving_default": signature}, strip_default_attrs=True)
       builder.save()
 
-
-def as_uint8(images):
-  """[0, 1] floats (as the input pipeline gives) -> uint8 for the signature."""
-  return (np.asarray(images) * 255).round().astype(np.uint8)
