@@ -68,23 +68,27 @@ def define_model_flags():
       flags.DEFINE_string(name, default, help_)
 
 
-def define_data_flags(dataset_default="mnist"):
+def define_data_flags(dataset_default="mnist", flag_values=flags.FLAGS):
+  fv = flag_values
   flags.DEFINE_enum("dataset", dataset_default, DATASETS,
                     "data set; multimnist: pairs of overlapping MNIST digits "
                     "(Section 6), made from the MNIST files" + (
                         "" if dataset_default else
-                        " (default: the one the run trained on)"))
+                        " (default: the one the run trained on)"), flag_values=fv)
   flags.DEFINE_string("data_dir", None, "folder of the four .gz files "
-                      "(default: data/<dataset>; data/mnist for multimnist)")
-  flags.DEFINE_bool("download", True, "fetch missing files from public mirrors")
+                      "(default: data/<dataset>; data/mnist for multimnist)",
+                      flag_values=fv)
+  flags.DEFINE_bool("download", True, "fetch missing files from public mirrors",
+                    flag_values=fv)
   if dataset_default is None:   # eval.py: the split comes from config.json
     return
   flags.DEFINE_integer("val_size", 5000, "validation images held out from the "
-                       "end of the training file (0 allowed)", lower_bound=0)
+                       "end of the training file (0 allowed)", lower_bound=0,
+                       flag_values=fv)
   flags.DEFINE_integer("multimnist_shift", multimnist.MAX_SHIFT, "multimnist: "
                        "largest shift of each digit in pixels (the paper: 4; the "
                        "official generator's README: 6)", lower_bound=0,
-                       upper_bound=16)
+                       upper_bound=16, flag_values=fv)
 
 
 def define_train_flags():

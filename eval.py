@@ -18,7 +18,7 @@ import sys
 import tempfile
 
 from capsnet import startup
-startup.quiet_tensorflow()   # before anything imports TensorFlow
+startup.import_tensorflow()   # before anything imports TensorFlow
 
 from absl import app  # noqa: E402
 from absl import flags  # noqa: E402
@@ -35,24 +35,6 @@ from capsnet import pictures  # noqa: E402
 from capsnet import runs  # noqa: E402
 from capsnet import serving  # noqa: E402
 
-flags.DEFINE_string("checkpoint", None, "checkpoint prefix or training logdir")
-flags.DEFINE_enum("which", "best", ["best", "latest"], "checkpoint of a logdir")
-flags.DEFINE_integer("iter_routing", None, "override routing iterations", lower_bound=1)
-flags.DEFINE_enum("split", "test", ["test", "validation"], "split to score")
-flags.DEFINE_integer("batch_size", 500, "evaluation batch size", lower_bound=1)
-flags.DEFINE_string("out_dir", None, "output folder")
-flags.DEFINE_string("device", None, "model device (default /gpu:0 if present)")
-flags.DEFINE_integer("num_images", 16, "images in reconstructions.png", lower_bound=1)
-flags.DEFINE_integer("figure4_images", 3, "test images in figure4.png", lower_bound=1)
-flags.DEFINE_string("images", None, "instead of a split: classify these image files "
-                    "(--images a.png b.jpg ...; any size, colour or grey), writing "
-                    "<name>.png and <name>_routing.png for each to --out_dir")
-flags.DEFINE_bool("json", False, "with --images: print the results as JSON")
-flags.DEFINE_string("export_savedmodel", None, "instead: write the model as a "
-                    "TensorFlow SavedModel to this (new) folder")
-config.define_data_flags(dataset_default=None)
-flags.mark_flag_as_required("checkpoint")
-FLAGS = flags.FLAGS
 
 PERTURBATIONS = np.round(np.arange(-0.25, 0.2501, 0.05), 2)   # 11 values
 
@@ -88,8 +70,40 @@ class Settings:
   export_savedmodel: str
 
 
-def main(argv):
-  values = {f.name: FLAGS[f.name].value for f in dataclasses.fields(Settings)}
+def define_flags(fv=flags.FLAGS):
+  """eval.py's flags, defined in `fv`: absl's global FLAGS when run as a
+  program; tests give their own, beside train.py's (some names are shared)."""
+  flags.DEFINE_string("checkpoint", None, "checkpoint prefix or training logdir",
+                      flag_values=fv)
+  flags.DEFINE_enum("which", "best", ["best", "latest"], "checkpoint of a logdir",
+                    flag_values=fv)
+  flags.DEFINE_integer("iter_routing", None, "override routing iterations",
+                       lower_bound=1, flag_values=fv)
+  flags.DEFINE_enum("split", "test", ["test", "validation"], "split to score",
+                    flag_values=fv)
+  flags.DEFINE_integer("batch_size", 500, "evaluation batch size", lower_bound=1,
+                       flag_values=fv)
+  flags.DEFINE_string("out_dir", None, "output folder", flag_values=fv)
+  flags.DEFINE_string("device", None, "model device (default /gpu:0 if present)",
+                      flag_values=fv)
+  flags.DEFINE_integer("num_images", 16, "images in reconstructions.png",
+                       lower_bound=1, flag_values=fv)
+  flags.DEFINE_integer("figure4_images", 3, "test images in figure4.png",
+                       lower_bound=1, flag_values=fv)
+  flags.DEFINE_string("images", None, "instead of a split: classify these image "
+                      "files (--images a.png b.jpg ...; any size, colour or grey), "
+                      "writing <name>.png and <name>_routing.png for each to "
+                      "--out_dir", flag_values=fv)
+  flags.DEFINE_bool("json", False, "with --images: print the results as JSON",
+                    flag_values=fv)
+  flags.DEFINE_string("export_savedmodel", None, "instead: write the model as a "
+                      "TensorFlow SavedModel to this (new) folder", flag_values=fv)
+  config.define_data_flags(dataset_default=None, flag_values=fv)
+  flags.mark_flag_as_required("checkpoint", flag_values=fv)
+
+
+def main(argv, fv=flags.FLAGS):
+  values = {f.name: fv[f.name].value for f in dataclasses.fields(Settings)}
   values["images"] = (values["images"], *argv[1:]) if values["images"] else ()
   s = Settings(**values)
   tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.ERROR)  # deprecations
@@ -305,4 +319,5 @@ def print_report(result, out_dir):
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)

@@ -30,7 +30,7 @@ import tempfile
 import time
 
 from capsnet import startup
-startup.quiet_tensorflow()   # before anything imports TensorFlow
+startup.import_tensorflow()   # before anything imports TensorFlow
 
 from absl import app  # noqa: E402
 from absl import flags  # noqa: E402
@@ -491,15 +491,16 @@ def train(cfg, s, devices, splits):
       if s.cluster and chief:
         runner = distributed.start_chief(sess, g.cluster)
       writer = start_writing(g, s, cfg, pos, resumed) if chief else NullWriter()
-      run = Run(sess, g, s, splits, writer, stop, chief)
-      train_epochs(run, pos)
-      writer.flush()
-      if stop.requested:
-        print(f"Saved {tf.train.latest_checkpoint(_folder(s, 'latest'))}; run "
-              f"again with --logdir={s.logdir} to resume")
-        sys.exit(130)
-      if chief:
-        final_test(run)
+      with contextlib.closing(writer):   # on every way out (files closed)
+        run = Run(sess, g, s, splits, writer, stop, chief)
+        train_epochs(run, pos)
+        writer.flush()
+        if stop.requested:
+          print(f"Saved {tf.train.latest_checkpoint(_folder(s, 'latest'))}; run "
+                f"again with --logdir={s.logdir} to resume")
+          sys.exit(130)
+        if chief:
+          final_test(run)
       if s.cluster and chief:
         distributed.stop_chief(sess, g.cluster, runner)
   finally:
@@ -533,6 +534,9 @@ class NullWriter:
     pass
 
   def flush(self):
+    pass
+
+  def close(self):
     pass
 
 

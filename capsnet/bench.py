@@ -25,6 +25,7 @@ from absl import app
 from absl import flags
 
 from capsnet import files
+from capsnet import startup
 
 
 def define_flags():
@@ -149,8 +150,7 @@ def _step_graph(variant, precision, mode, settings):
 
 def _measure(variant, precision, mode, settings, queue):
   """Child process: time one configuration, put a result dict on `queue`."""
-  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-  import tensorflow as tf
+  tf = _child_tensorflow()
   tf.compat.v1.disable_eager_execution()
   batch = settings["batch_size"]
   with tf.Graph().as_default():
@@ -185,9 +185,8 @@ def _profile(precision, settings, queue, traces=3, top=12):
   """Child process: per-op times of our training step from TensorFlow's
   step trace, ops run one at a time (inter-op threads 1) so that their times
   add up to the step; put the per-group totals and the top ops on `queue`."""
-  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
   import collections
-  import tensorflow as tf
+  tf = _child_tensorflow()
   tf.compat.v1.disable_eager_execution()
   per_op = collections.Counter()
   with tf.Graph().as_default():
@@ -234,9 +233,8 @@ def profile(settings, precisions):
 
 def _measure_input(settings, queue, n=55000, batches=200):
   """Child process: images/s of the training tf.data pipeline, augmentation on."""
-  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
   import numpy as np
-  import tensorflow as tf
+  tf = _child_tensorflow()
   from capsnet import input as data
   tf.compat.v1.disable_eager_execution()
   rng = np.random.RandomState(0)
@@ -267,8 +265,7 @@ def _matmul_peak(dtype_name, queue, n=2048, reps=10):
   The operands are variables already in the dtype and only one element of
   each product is fetched, so the timed work is the matmuls alone.
   """
-  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-  import tensorflow as tf
+  tf = _child_tensorflow()
   tf.compat.v1.disable_eager_execution()
   dtype = tf.as_dtype(dtype_name)
   with tf.Graph().as_default():
@@ -284,6 +281,14 @@ def _matmul_peak(dtype_name, queue, n=2048, reps=10):
         sess.run(prods)
         best = min(best, time.perf_counter() - t)
   queue.put(4 * 2 * n ** 3 / best / 1e9)
+
+
+def _child_tensorflow():
+  """TensorFlow in a child as train.py imports it (`startup`: no Keras)."""
+  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+  startup.import_tensorflow()
+  import tensorflow as tf
+  return tf
 
 
 def _in_child(target, *args):

@@ -51,8 +51,12 @@ def _decode_grey(path):
     image = _evaluate(lambda: tf.io.decode_image(
         tf.io.read_file(path), channels=4, expand_animations=False))
   except (tf.errors.OpError, ValueError) as e:
-    reason = (getattr(e, "message", None) or str(e)).strip().splitlines()[-1]
-    reason = re.sub(r"\{\{[^}]*\}\}\s*|\s*\[Op:\w+\].*$", "", reason).strip()[:120]
+    # The reason is the last line once TensorFlow's node annotations are
+    # gone: "{{function_node ...}} <reason> [Op:DecodeImage]" (eager), or
+    # "<reason>" then "[[{{node decode_image/DecodeImage}}]]" (graph mode).
+    lines = [re.sub(r"\[\[\{\{[^}]*\}\}\]\]|\{\{[^}]*\}\}|\[Op:\w+\].*$", "", l).strip()
+             for l in (getattr(e, "message", None) or str(e)).splitlines()]
+    reason = ([l for l in lines if l] or [type(e).__name__])[-1][:120]
     raise ImageError(f"{path}: cannot read or decode the image ({reason})") from None
   rgba = image.astype(np.float32) / 255.0
   alpha = rgba[..., 3:]

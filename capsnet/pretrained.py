@@ -70,7 +70,7 @@ def ship(run, out):
 
 def main(argv):
   del argv
-  startup.quiet_tensorflow()
+  startup.import_tensorflow()
   from capsnet import runs
   if not FLAGS.run or not FLAGS.out:
     sys.exit("pretrained: error: --run and --out are required")

@@ -12,7 +12,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from capsnet import startup  # noqa: E402
-startup.quiet_tensorflow()
+startup.import_tensorflow()
 
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
@@ -62,19 +62,34 @@ def train_here(*args):
   """Runs train.py's `main` in this process with these flags: what `cli`
   does for train.py, without a new process's TensorFlow start-up (seconds
   each). Returns a CompletedProcess (exit status, stdout, stderr)."""
-  import train  # defines train.py's flags (no test imports eval.py's)
+  import train  # defines train.py's flags in absl's global FLAGS
   from absl import flags
   flags.FLAGS.unparse_flags()
   flags.FLAGS(["train.py", *args])
+  return _run_main("train.py", args, lambda: train.main(["train.py"]))
+
+
+def eval_here(*args):
+  """As `train_here`, for eval.py: its flags go in a FlagValues of their own,
+  since train.py's (some of the same names) are in absl's global FLAGS."""
+  import eval as eval_py
+  from absl import flags
+  fv = flags.FlagValues()
+  eval_py.define_flags(fv)
+  argv = fv(["eval.py", *args])
+  return _run_main("eval.py", args, lambda: eval_py.main(argv, fv))
+
+
+def _run_main(script, args, main):
   out, err, code = io.StringIO(), io.StringIO(), 0
   with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
     try:
-      train.main(["train.py"])
+      main()
     except SystemExit as e:   # sys.exit(message) prints it and exits with 1
       code = e.code if isinstance(e.code, int) or e.code is None else 1
       if isinstance(e.code, str):
         print(e.code, file=err)
-  return subprocess.CompletedProcess(["train.py", *args], code or 0, out.getvalue(),
+  return subprocess.CompletedProcess([script, *args], code or 0, out.getvalue(),
                                      err.getvalue())
 
 
@@ -126,4 +141,4 @@ def small_disk(tmp_path):
   remount = lambda opts: subprocess.run(
       ["mount", "-o", f"remount,{opts}", str(folder)], check=True)
   yield folder, remount
-  subprocess.run(["umount", str(folder)])
+  subprocess.run(["umount", str(folder)], check=True)   # fails if a file is left open

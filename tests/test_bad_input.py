@@ -1,6 +1,6 @@
 """Bad input refused in one line before anything is written: changed
-settings on resume, unusable logdirs, data the model cannot take; and
-TensorFlow's start-up notices."""
+settings on resume, unusable logdirs, data the model cannot take; and how
+the programs import TensorFlow (its start-up notices, Keras held back)."""
 import dataclasses
 import os
 import re
@@ -25,6 +25,23 @@ def test_tensorflow_start_up_notices_hidden_unless_asked_for(tmp_path):
   proc = subprocess.run(args, capture_output=True, text=True, cwd=ROOT,
                         env=dict(env, TF_CPP_MIN_LOG_LEVEL="0"))
   assert len(proc.stderr.splitlines()) > 1     # the user asked for them
+
+
+def test_programs_import_tensorflow_without_keras():
+  script = ("import importlib.util, sys\n"
+            "from capsnet import startup\n"
+            "startup.import_tensorflow()\n"
+            "import tensorflow as tf\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in "
+            "('keras', 'matplotlib')), importlib.util.find_spec('keras') is not None, "
+            "tf.zeros([2]).shape)\n")
+  env = dict(os.environ, PYTHONPATH=ROOT)
+  env.pop("TF_CPP_MIN_LOG_LEVEL", None)
+  proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                        cwd=ROOT, env=env)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert proc.stdout.split("\n") == ["[] True (2,)", ""]   # keras still importable
+  assert proc.stderr == ""                                  # and no notices
 
 
 def _settings(**changes):

@@ -8,7 +8,7 @@ import time
 
 import tensorflow as tf
 
-from conftest import SMALL, cli, last_line, needs_mnist, start, wait_until
+from conftest import SMALL, cli, eval_here, last_line, needs_mnist, start, wait_until
 
 
 def test_train_flag_error_is_one_line_and_writes_nothing(tmp_path):
@@ -18,15 +18,6 @@ def test_train_flag_error_is_one_line_and_writes_nothing(tmp_path):
       "train.py: error: ModelConfig.decoder_units must be positive ints, got "
       "['512', 'x']")
   assert not os.path.exists(f"{tmp_path}/a")
-
-
-def test_eval_error_is_one_line(tmp_path):
-  missing = str(tmp_path / "nothing")
-  proc = cli("eval.py", f"--checkpoint={missing}")
-  assert proc.returncode == 1
-  assert last_line(proc) == (f"eval.py: error: {missing}: no such checkpoint "
-                             f"(expected {missing}.index) or logdir")
-  assert "Traceback" not in proc.stderr
 
 
 @needs_mnist
@@ -49,8 +40,8 @@ def test_sigint_saves_a_loadable_checkpoint(tmp_path):
   assert reader.get_tensor("global_step") == step
   # eval.py takes the checkpoint prefix (config.json one folder up) and
   # another number of routing iterations.
-  proc = cli("eval.py", f"--checkpoint={ckpt}", f"--out_dir={tmp_path}/eval",
-             "--iter_routing=2", "--num_images=4", "--split=validation")
+  proc = eval_here(f"--checkpoint={ckpt}", f"--out_dir={tmp_path}/eval",
+                   "--iter_routing=2", "--num_images=4", "--split=validation")
   assert proc.returncode == 0, proc.stderr[-3000:]
   res = json.load(open(tmp_path / "eval" / "results.json"))
   assert (res["count"], res["checkpoint"], res["iter_routing"]) == (500, ckpt, 2)

@@ -13,7 +13,7 @@ import pytest
 import tensorflow as tf
 
 from capsnet import cluster
-from conftest import ROOT, SMALL, cli, last_line, needs_mnist, train_here
+from conftest import ROOT, SMALL, cli, eval_here, last_line, needs_mnist, train_here
 
 # 320 training images: with 2 workers x 16 a step, 10 steps an epoch.
 ARGS = [*SMALL[:5], "--val_size=500", "--eval_batch_size=300", "--progress=false",
@@ -68,8 +68,8 @@ def test_two_synchronous_workers_average_as_one_process_with_twice_the_batch(
 @needs_mnist
 def test_chief_checkpoint_is_evaluated_by_eval(sync_run, tmp_path):
   logdir, _ = sync_run
-  proc = cli("eval.py", f"--checkpoint={logdir}", "--split=validation",
-             f"--out_dir={tmp_path}")
+  proc = eval_here(f"--checkpoint={logdir}", "--split=validation",
+                   f"--out_dir={tmp_path}")
   assert proc.returncode == 0, proc.stderr[-3000:]
   result = json.load(open(tmp_path / "results.json"))
   row = json.loads(open(os.path.join(logdir, "metrics.jsonl")).readline())

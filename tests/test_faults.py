@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 
 from capsnet import runs
-from conftest import QUICK, cli, last_line, listed, needs_mnist, rows, train_here
+from conftest import QUICK, eval_here, last_line, listed, needs_mnist, rows, train_here
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +80,7 @@ def test_no_intact_checkpoint_stops_in_one_line_and_deletes_nothing(quick_run, t
   assert last_line(proc) == (f"train.py: error: {logdir}: no intact checkpoint "
                              "(3 damaged); move the logdir away to start again")
   assert sorted(glob.glob(os.path.join(logdir, "**"), recursive=True)) == before
-  proc = cli("eval.py", f"--checkpoint={logdir}")
+  proc = eval_here(f"--checkpoint={logdir}")
   assert proc.returncode == 1
   best = tf.train.latest_checkpoint(os.path.join(logdir, "best")) or "?"
   assert re.fullmatch(rf"eval\.py: error: {best}: damaged checkpoint \(.+\)",
@@ -91,7 +91,7 @@ def test_no_intact_checkpoint_stops_in_one_line_and_deletes_nothing(quick_run, t
 def test_eval_output_folder_not_writable_found_before_scoring(quick_run, small_disk):
   folder, remount = small_disk
   remount("ro")
-  proc = cli("eval.py", f"--checkpoint={quick_run[0]}", f"--out_dir={folder}/eval")
+  proc = eval_here(f"--checkpoint={quick_run[0]}", f"--out_dir={folder}/eval")
   assert proc.returncode == 1
   assert last_line(proc) == (f"eval.py: error: --out_dir={folder}/eval: cannot write "
                              "there (Read-only file system)")
@@ -105,7 +105,7 @@ def test_eval_validation_split_of_a_run_without_one(quick_run, tmp_path):
   saved = json.load(open(path))
   saved["train"]["val_size"] = 0
   open(path, "w").write(json.dumps(saved))
-  proc = cli("eval.py", f"--checkpoint={logdir}", "--split=validation")
+  proc = eval_here(f"--checkpoint={logdir}", "--split=validation")
   assert proc.returncode == 1
   assert last_line(proc) == (f"eval.py: error: --split=validation: {logdir} was "
                              "trained with --val_size=0, so it has no validation split")

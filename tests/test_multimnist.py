@@ -9,7 +9,7 @@ import tensorflow as tf
 from capsnet import losses
 from capsnet import model
 from capsnet import multimnist
-from conftest import SMALL, cli, needs_mnist, train_here
+from conftest import SMALL, eval_here, needs_mnist, train_here
 
 
 def _digits(n=60, seed=0):
@@ -187,7 +187,7 @@ def test_multimnist_training_and_evaluation_smoke(tmp_path):
   test = json.load(open(os.path.join(logdir, "test_results.json")))
   assert test["count"] == 10000 and test["at_least_one"] >= test["accuracy"]
   out = tmp_path / "eval"
-  proc = cli("eval.py", f"--checkpoint={logdir}", f"--out_dir={out}")
+  proc = eval_here(f"--checkpoint={logdir}", f"--out_dir={out}")
   assert proc.returncode == 0, proc.stderr[-3000:]
   result = json.load(open(out / "results.json"))
   assert (result["accuracy"], result["count"]) == (test["accuracy"], 10000)

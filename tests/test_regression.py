@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import SMALL, cli, needs_mnist
+from conftest import SMALL, needs_mnist, train_here
 
 
 # Weights of a fixed-seed tiny run (SMALL, 320 training images, 12 steps), a
@@ -58,8 +58,8 @@ def test_max_steps_and_bit_identical_weights(tmp_path, mode):
   weights are bit for bit those recorded."""
   logdir = str(tmp_path / mode)
   flag = "--dtype=float64" if mode == "float64" else "--precision=bf16"
-  proc = cli("train.py", *SMALL, "--train_size=320", "--max_steps=12", flag,
-             f"--logdir={logdir}")
+  proc = train_here(*SMALL, "--train_size=320", "--max_steps=12", flag,
+                    f"--logdir={logdir}")
   assert proc.returncode == 0, proc.stderr[-3000:]
   ckpt = tf.train.latest_checkpoint(os.path.join(logdir, "latest"))
   assert ckpt.endswith("-12")
