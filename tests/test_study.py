@@ -81,6 +81,10 @@ def test_table1_grid_commands_and_schedules(tmp_path):
                      "--progress=false", "--x=1"]
   assert "--use_decoder=False" in study.train_command(grid["r1_norecon"], 0, folder,
                                                       settings, [])
+  (multimnist,) = study.GRIDS["multimnist"].values()
+  assert study.train_command(multimnist, 0, folder, settings, [])[2:6] == [
+      "--iter_routing=3", "--stop_gradient=True", "--use_decoder=True",
+      "--dataset=multimnist"]
   # Two schedules of one variant: a row each, and only the small files published.
   out = str(tmp_path / "runs")
   fake_run(study.run_dir(out, "r3_recon", 0), 0.4, [1.0, 0.5], [0.1, 0.2], epochs=2)
