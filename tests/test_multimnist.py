@@ -187,10 +187,10 @@ def test_multimnist_training_and_evaluation_smoke(tmp_path):
   test = json.load(open(os.path.join(logdir, "test_results.json")))
   assert test["count"] == 10000 and test["at_least_one"] >= test["accuracy"]
   out = tmp_path / "eval"
-  proc = eval_here(f"--checkpoint={logdir}", f"--out_dir={out}")
+  proc = eval_here(f"--checkpoint={logdir}", f"--out_dir={out}", "--split=validation")
   assert proc.returncode == 0, proc.stderr[-3000:]
   result = json.load(open(out / "results.json"))
-  assert (result["accuracy"], result["count"]) == (test["accuracy"], 10000)
+  assert (result["accuracy"], result["count"]) == (row["val_accuracy"], 500)
   header = open(out / "predictions.csv").readline()
   assert header.startswith("index,label_a,label_b,prediction_a,prediction_b,length_0")
   with tf.Graph().as_default(), tf.compat.v1.Session() as sess:
