@@ -42,6 +42,9 @@ def define_flags():
                     "convolution gradients of `ours` (the baseline uses conv2d)")
   flags.DEFINE_integer("steps", 12, "timed steps (median is reported)", lower_bound=1)
   flags.DEFINE_integer("warmup", 3, "untimed steps first", lower_bound=0)
+  flags.DEFINE_integer("peak_size", 2048, "n of the n x n matmuls that measure "
+                       "the machine's peak (smaller: quicker, less exact)",
+                       lower_bound=64)
   flags.DEFINE_integer("rounds", 3, "interleaved rounds of every measurement; the "
                        "report gives their medians", lower_bound=1)
   flags.DEFINE_string("json", None, "also write the results here")
@@ -259,7 +262,7 @@ def _measure_input(settings, queue, n=55000, batches=200):
              "images_per_sec": batches * batch / wall})
 
 
-def _matmul_peak(dtype_name, queue, n=2048, reps=10):
+def _matmul_peak(dtype_name, n, queue, reps=10):
   """Child process: best GFLOP/s of four independent n x n matmuls.
 
   The operands are variables already in the dtype and only one element of
@@ -303,7 +306,8 @@ def _in_child(target, *args):
 
 def _one_round(settings, precisions, variants, modes):
   """Every measurement once, each in a fresh child; ratios within the round."""
-  peaks = {p: _in_child(_matmul_peak, "float32" if p == "fp32" else "bfloat16")
+  peaks = {p: _in_child(_matmul_peak, "float32" if p == "fp32" else "bfloat16",
+                        settings["peak_size"])
            for p in ["fp32"] + [p for p in precisions if p != "fp32"]}
   print("matmul peak: " + ", ".join(f"{p} {g:.0f} GFLOP/s" for p, g in peaks.items()),
         flush=True)
@@ -389,7 +393,7 @@ def main(argv):
   del argv
   settings = {"batch_size": FLAGS.batch_size, "iter_routing": FLAGS.iter_routing,
               "conv_impl": FLAGS.conv_impl, "steps": FLAGS.steps,
-              "warmup": FLAGS.warmup}
+              "warmup": FLAGS.warmup, "peak_size": FLAGS.peak_size}
   for p in FLAGS.precision:
     if p not in ("fp32", "bf16"):
       raise app.UsageError(f"--precision: {p!r} is not fp32 or bf16")

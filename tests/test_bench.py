@@ -69,10 +69,11 @@ def test_cli_small_run_writes_json(tmp_path):
   """One round, tiny batch: the report's figures and how they relate."""
   path = tmp_path / "bench.json"
   proc = _bench("--batch_size=4", "--steps=1", "--warmup=0", "--rounds=1",
-                "--modes=infer", "--precision=fp32", f"--json={path}")
+                "--modes=infer", "--precision=fp32", "--peak_size=256", f"--json={path}")
   assert proc.returncode == 0, proc.stderr[-2000:]
   report = json.loads(path.read_text())
   assert report["settings"]["rounds"] == 1 and len(report["rounds"]) == 1
+  assert report["settings"]["peak_size"] == 256
   assert {(r["variant"], r["mode"]) for r in report["results"]} == {
       ("ours", "infer"), ("tiled", "infer")}
   peak = report["matmul_peak_gflops"]["fp32"]
