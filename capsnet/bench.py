@@ -154,7 +154,6 @@ def _step_graph(variant, precision, mode, settings):
 def _measure(variant, precision, mode, settings, queue):
   """Child process: time one configuration, put a result dict on `queue`."""
   tf = _child_tensorflow()
-  tf.compat.v1.disable_eager_execution()
   batch = settings["batch_size"]
   with tf.Graph().as_default():
     cfg, op = _step_graph(variant, precision, mode, settings)
@@ -190,7 +189,6 @@ def _profile(precision, settings, queue, traces=3, top=12):
   add up to the step; put the per-group totals and the top ops on `queue`."""
   import collections
   tf = _child_tensorflow()
-  tf.compat.v1.disable_eager_execution()
   per_op = collections.Counter()
   with tf.Graph().as_default():
     _, op = _step_graph("ours", precision, "train", settings)
@@ -239,7 +237,6 @@ def _measure_input(settings, queue, n=55000, batches=200):
   import numpy as np
   tf = _child_tensorflow()
   from capsnet import input as data
-  tf.compat.v1.disable_eager_execution()
   rng = np.random.RandomState(0)
   images = rng.randint(0, 256, (n, 28, 28, 1)).astype(np.uint8)
   labels = rng.randint(0, 10, n).astype(np.int32)
@@ -269,7 +266,6 @@ def _matmul_peak(dtype_name, n, queue, reps=10):
   each product is fetched, so the timed work is the matmuls alone.
   """
   tf = _child_tensorflow()
-  tf.compat.v1.disable_eager_execution()
   dtype = tf.as_dtype(dtype_name)
   with tf.Graph().as_default():
     init = tf.random_normal_initializer()
@@ -287,10 +283,12 @@ def _matmul_peak(dtype_name, n, queue, reps=10):
 
 
 def _child_tensorflow():
-  """TensorFlow in a child as train.py imports it (`startup`: no Keras)."""
+  """TensorFlow in a child as train.py imports it (`startup`: no Keras),
+  in graph mode."""
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
   startup.import_tensorflow()
   import tensorflow as tf
+  tf.compat.v1.disable_eager_execution()
   return tf
 
 
