@@ -24,7 +24,8 @@ finished run (test_results.json written after the last epoch) is skipped, an
 unfinished one resumes, so the study can be stopped and continued. At the end
 the study writes <out>/results.md (the table; runs still in progress appear
 with the epochs they have), results.json, val_error.png (validation error
-against epoch, log scale, a line per run) and, when some variant has r > 1,
+against epoch, log scale, a line per run; for MultiMNIST against training
+pairs seen, beside the paper's 5.2%) and, when some variant has r > 1,
 diagnostic.png (the share of W's gradient that flows through the routing
 coefficients, against epoch). --publish=DIR writes the same there and copies
 each run's small files (config.json, metrics.jsonl, diagnostics.jsonl,
@@ -150,21 +151,26 @@ def describe_run(folder, epochs):
     return None
   complete = is_complete(folder, epochs)
   test = read_json(os.path.join(folder, "test_results.json"), {}) if complete else {}
-  model = read_json(os.path.join(folder, "config.json"), {}).get("model", {})
+  config = read_json(os.path.join(folder, "config.json"), {})
+  model, batch = config.get("model", {}), config.get("train", {}).get("batch_size")
   val = [m for m in metrics if "val_error_percent" in m]
   diags = read_jsonl(os.path.join(folder, "diagnostics.jsonl"))
   wall = sum(m["wall_s"] for m in epoch_rows if "wall_s" in m)
   return {
       "run": os.path.basename(folder), "complete": complete,
       "epochs_done": epoch_rows[-1]["epoch"], "steps": epoch_rows[-1]["step"],
+      "images_seen": epoch_rows[-1]["step"] * batch if batch else None,
       "precision": model.get("precision", "fp32"),
       "test_error": test.get("error_percent"),
       "test_errors_count": (round(test["error_percent"] * test["count"] / 100)
                             if "count" in test else None),
+      "test_at_least_one": test.get("at_least_one"),   # MultiMNIST only
       "best_val_error": min((m["val_error_percent"] for m in val), default=None),
       "images_per_sec": statistics.mean(m["images_per_sec"] for m in epoch_rows),
       "train_wall_s": round(wall, 1),
       "curve": [(m["epoch"], m["val_error_percent"]) for m in val],
+      "images_curve": ([(m["step"] * batch, m["val_error_percent"]) for m in val]
+                       if batch else []),
       "diag_curve": [(d["epoch"], d["digit_caps/weights"]) for d in diags
                      if "digit_caps/weights" in d],
       "diag": {key: (diags[0][key], diags[-1][key]) if diags else (None, None)
@@ -193,7 +199,8 @@ def summarize(out, grid, variants, seeds, epochs, schedules=(DEFAULT_DECAY_STEPS
     vals = [r["best_val_error"] for r in runs if r["best_val_error"] is not None]
     spec = GRIDS[grid][name]
     rows.append({
-        "variant": name, "iter_routing": spec["iter_routing"],
+        "variant": name, "dataset": spec.get("dataset", "mnist"),
+        "iter_routing": spec["iter_routing"],
         "stop_gradient": spec.get("stop_gradient", True),
         "use_decoder": spec.get("use_decoder", True), "decay_steps": decay_steps,
         "epochs": epochs, "seeds": len(done), "runs": runs,
@@ -205,7 +212,8 @@ def summarize(out, grid, variants, seeds, epochs, schedules=(DEFAULT_DECAY_STEPS
         "diag": {key: tuple(_mean_or_none(r["diag"][key][i] for r in runs)
                             for i in (0, 1))
                  for key in ("digit_caps/weights", "conv1/weights")},
-        "curves": [r["curve"] for r in runs]})
+        "curves": [r["curve"] for r in runs],
+        "images_curves": [r["images_curve"] for r in runs]})
   return rows
 
 
@@ -246,17 +254,22 @@ def markdown(rows):
         f"{per_seed} | {_fmt(r['best_val_error_mean'], '.3f')} | "
         f"{r['images_per_sec']:.0f} | {_fmt(w0, '.3g')} → {_fmt(w1, '.3g')} | "
         f"{_fmt(c0, '.3g')} → {_fmt(c1, '.3g')} |")
+  multi = any(r["dataset"] == "multimnist" for r in rows)
+  extra = " training pairs seen | test: at least one right % |" if multi else ""
   lines += ["", "| run | precision | epochs | steps | test error % | test errors "
-            "| best val error % | images/s | training wall time |",
-            "|---|---|---|---|---|---|---|---|---|"]
+            "| best val error % | images/s | training wall time |" + extra,
+            "|---|---|---|---|---|---|---|---|---|" + ("---|---|" if multi else "")]
   for r in rows:
     for x in r["runs"]:
       epochs = f"{x['epochs_done']}" + ("" if x["complete"] else " (in progress)")
-      lines.append(
-          f"| {x['run']} | {x['precision']} | {epochs} | {x['steps']} | "
-          f"{_fmt(x['test_error'], '.2f')} | {_fmt(x['test_errors_count'], 'd')} | "
-          f"{_fmt(x['best_val_error'], '.2f')} | {x['images_per_sec']:.0f} | "
-          f"{_duration(x['train_wall_s'])} |")
+      cells = [x["run"], x["precision"], epochs, x["steps"],
+               _fmt(x["test_error"], ".2f"), _fmt(x["test_errors_count"], "d"),
+               _fmt(x["best_val_error"], ".2f"), f"{x['images_per_sec']:.0f}",
+               _duration(x["train_wall_s"])]
+      if multi:
+        one = x["test_at_least_one"]
+        cells += [_fmt(x["images_seen"], ",d"), _fmt(None if one is None else 100 * one, ".2f")]
+      lines.append("| " + " | ".join(str(c) for c in cells) + " |")
   return "\n".join(lines) + "\n"
 
 
@@ -281,20 +294,30 @@ def _label(row):
   return f"{row['variant']}, lr decay every {row['decay_steps']}"
 
 
-def plot(rows, path, title="CapsNet on MNIST: routing variants"):
-  """Validation error against epoch, one colour per variant, a line per seed."""
+def plot(rows, path, title="CapsNet on MNIST: routing variants", x="epoch",
+         reference=None):
+  """Validation error against epoch, one colour per variant, a line per seed.
+
+  Args:
+    x: "epoch", or "pairs": MultiMNIST training pairs seen, in millions.
+    reference: (error %, label): a horizontal line, e.g. the paper's result.
+  """
   plt, ticker = _figure()
   fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
-  many = max(len(c) for r in rows for c in r["curves"]) > 30
+  key = {"epoch": "curves", "pairs": "images_curves"}[x]
+  scale = 1 if x == "epoch" else 1e-6
+  many = max(len(c) for r in rows for c in r[key]) > 30
   for k, r in enumerate(rows):
-    for s, curve in enumerate(r["curves"]):
+    for s, curve in enumerate(r[key]):
       if not curve:
         continue
-      xs, ys = zip(*curve)
+      xs, ys = zip(*((a * scale, b) for a, b in curve))
       ax.plot(xs, ys, color=f"C{k}", marker=None if many else "o", markersize=3,
               linewidth=1.2, linestyle="-" if s == 0 else "--",
               label=_label(r) if s == 0 else None)
-  ax.set_xlabel("epoch")
+  if reference:
+    ax.axhline(reference[0], color="grey", linestyle=":", label=reference[1])
+  ax.set_xlabel({"epoch": "epoch", "pairs": "training pairs seen (millions)"}[x])
   ax.set_ylabel("validation error (%)")
   ax.set_yscale("log")
   ax.yaxis.set_major_formatter(ticker.ScalarFormatter())
@@ -325,6 +348,9 @@ def plot_diagnostic(rows, path):
   _save(plt, fig, path)
 
 
+# The paper's MultiMNIST result (Section 6): CapsNet, r = 3, with reconstruction.
+MULTIMNIST_PAPER = (5.2, "paper: 5.2% test error after 60M pairs")
+
 TITLES = {"stop_gradient": "CapsNet on MNIST: routing variants",
           "table1": "CapsNet on MNIST: the rows of Table 1",
           "multimnist": "CapsNet on MultiMNIST (both digits right)"}
@@ -336,7 +362,10 @@ def report(rows, folder, title=TITLES["stop_gradient"]):
   table = markdown(rows)
   files.atomic_write(os.path.join(folder, "results.md"), table)
   files.write_json(os.path.join(folder, "results.json"), rows)
-  if rows:
+  if rows and any(r["dataset"] == "multimnist" for r in rows):
+    plot(rows, os.path.join(folder, "val_error.png"), title, x="pairs",
+         reference=MULTIMNIST_PAPER)
+  elif rows:
     plot(rows, os.path.join(folder, "val_error.png"), title)
   if any(r["iter_routing"] > 1 for r in rows):
     plot_diagnostic(rows, os.path.join(folder, "diagnostic.png"))

@@ -11,7 +11,7 @@ from conftest import ROOT, SMALL, needs_mnist
 
 
 def fake_run(folder, test_error, val_errors, diag, epochs=1, speed=100.0,
-             complete=True, precision="bf16"):
+             complete=True, precision="bf16", at_least_one=None):
   """A run folder as train.py leaves it; the last val error closes `epochs`."""
   os.makedirs(folder)
   with open(os.path.join(folder, "metrics.jsonl"), "w") as f:
@@ -26,10 +26,13 @@ def fake_run(folder, test_error, val_errors, diag, epochs=1, speed=100.0,
       f.write(json.dumps({"step": 1 + k, "epoch": k / 2, "digit_caps/weights": d,
                           "conv1/weights": d / 2}) + "\n")
   with open(os.path.join(folder, "config.json"), "w") as f:
-    json.dump({"model": {"precision": precision}, "train": {}}, f)
+    json.dump({"model": {"precision": precision}, "train": {"batch_size": 128}}, f)
   if complete:
     with open(os.path.join(folder, "test_results.json"), "w") as f:
-      json.dump({"error_percent": test_error, "count": 10000}, f)
+      result = {"error_percent": test_error, "count": 10000}
+      if at_least_one is not None:
+        result["at_least_one"] = at_least_one
+      json.dump(result, f)
 
 
 def test_summary_and_table(tmp_path):
@@ -62,6 +65,24 @@ def test_summary_and_table(tmp_path):
   for name, draw in (("plot.png", study.plot), ("diag.png", study.plot_diagnostic)):
     draw(rows, str(tmp_path / name))
     assert open(tmp_path / name, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_multimnist_table_and_curve_by_pairs_seen(tmp_path):
+  out = str(tmp_path)
+  fake_run(study.run_dir(out, "r3_recon", 0), 6.5, [30.0, 12.0, 8.0], [0.01, 0.2],
+           epochs=2, at_least_one=0.991)
+  (r,) = study.summarize(out, "multimnist", ["r3_recon"], range(1), 2)
+  assert r["dataset"] == "multimnist"
+  (run,) = r["runs"]
+  assert run["images_seen"] == 30 * 128 and run["test_at_least_one"] == 0.991
+  assert run["images_curve"] == [(1280, 30.0), (2560, 12.0), (3840, 8.0)]
+  table = study.markdown([r])
+  assert "| training pairs seen | test: at least one right % |" in table
+  assert "| r3_recon_seed0 | bf16 | 2 | 30 | 6.50 | 650 | 8.00 | 100 | 2 min | 3,840 | 99.10 |" in table
+  study.report([r], str(tmp_path / "report"), study.TITLES["multimnist"])
+  assert open(tmp_path / "report" / "val_error.png", "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+  # an MNIST table keeps its nine columns
+  assert "pairs seen" not in study.markdown(study.summarize(out, "table1", ["r3_recon"], range(1), 2))
 
 
 def test_table1_grid_commands_and_schedules(tmp_path):
