@@ -254,7 +254,7 @@ def markdown(rows):
         f"{per_seed} | {_fmt(r['best_val_error_mean'], '.3f')} | "
         f"{r['images_per_sec']:.0f} | {_fmt(w0, '.3g')} → {_fmt(w1, '.3g')} | "
         f"{_fmt(c0, '.3g')} → {_fmt(c1, '.3g')} |")
-  multi = any(r["dataset"] == "multimnist" for r in rows)
+  multi = _multimnist(rows)
   extra = " training pairs seen | test: at least one right % |" if multi else ""
   lines += ["", "| run | precision | epochs | steps | test error % | test errors "
             "| best val error % | images/s | training wall time |" + extra,
@@ -294,6 +294,15 @@ def _label(row):
   return f"{row['variant']}, lr decay every {row['decay_steps']}"
 
 
+def _multimnist(rows):
+  return any(r["dataset"] == "multimnist" for r in rows)
+
+
+# plot's x axes: the curves it reads, their scale and the axis label.
+X_AXES = {"epoch": ("curves", 1, "epoch"),
+          "pairs": ("images_curves", 1e-6, "training pairs seen (millions)")}
+
+
 def plot(rows, path, title="CapsNet on MNIST: routing variants", x="epoch",
          reference=None):
   """Validation error against epoch, one colour per variant, a line per seed.
@@ -304,8 +313,7 @@ def plot(rows, path, title="CapsNet on MNIST: routing variants", x="epoch",
   """
   plt, ticker = _figure()
   fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
-  key = {"epoch": "curves", "pairs": "images_curves"}[x]
-  scale = 1 if x == "epoch" else 1e-6
+  key, scale, xlabel = X_AXES[x]
   many = max(len(c) for r in rows for c in r[key]) > 30
   for k, r in enumerate(rows):
     for s, curve in enumerate(r[key]):
@@ -317,7 +325,7 @@ def plot(rows, path, title="CapsNet on MNIST: routing variants", x="epoch",
               label=_label(r) if s == 0 else None)
   if reference:
     ax.axhline(reference[0], color="grey", linestyle=":", label=reference[1])
-  ax.set_xlabel({"epoch": "epoch", "pairs": "training pairs seen (millions)"}[x])
+  ax.set_xlabel(xlabel)
   ax.set_ylabel("validation error (%)")
   ax.set_yscale("log")
   ax.yaxis.set_major_formatter(ticker.ScalarFormatter())
@@ -362,11 +370,9 @@ def report(rows, folder, title=TITLES["stop_gradient"]):
   table = markdown(rows)
   files.atomic_write(os.path.join(folder, "results.md"), table)
   files.write_json(os.path.join(folder, "results.json"), rows)
-  if rows and any(r["dataset"] == "multimnist" for r in rows):
-    plot(rows, os.path.join(folder, "val_error.png"), title, x="pairs",
-         reference=MULTIMNIST_PAPER)
-  elif rows:
-    plot(rows, os.path.join(folder, "val_error.png"), title)
+  if rows:
+    x, reference = ("pairs", MULTIMNIST_PAPER) if _multimnist(rows) else ("epoch", None)
+    plot(rows, os.path.join(folder, "val_error.png"), title, x=x, reference=reference)
   if any(r["iter_routing"] > 1 for r in rows):
     plot_diagnostic(rows, os.path.join(folder, "diagnostic.png"))
   return table
