@@ -209,7 +209,7 @@ def evaluate(cfg, ckpt, split, s):
   two_digits = len(split) == 3
   with tf.Graph().as_default():
     ev = evaluation.build(cfg, s.batch_size, config.resolve_device(s.device, "eval.py"),
-                          two_digits=two_digits)
+                          two_digits=two_digits, routing_stats=True)
     figure4 = None
     if cfg.use_decoder:
       v_in = tf.compat.v1.placeholder(ev.outputs.v.dtype, ev.outputs.v.shape)
@@ -224,7 +224,8 @@ def evaluate(cfg, ckpt, split, s):
       saver.restore(sess, ckpt)
       res = evaluation.run(sess, ev, *split)
       result = dict(evaluation.summary(res), checkpoint=ckpt, dataset=s.dataset,
-                    split=s.split, iter_routing=cfg.iter_routing)
+                    split=s.split, iter_routing=cfg.iter_routing,
+                    routing_uniform_entropy=float(np.log(cfg.num_classes)))
       files.write_json(os.path.join(out_dir, "results.json"), result)
       write_predictions(os.path.join(out_dir, "predictions.csv"), labels, res)
       if two_digits and cfg.use_decoder:
@@ -306,6 +307,9 @@ def print_report(result, out_dir):
         f"error {result['error_percent']:.2f}%")
   print(f"loss {result['loss']:.5f} (margin {result['margin_loss_mean']:.5f}, "
         f"reconstruction {result['recon_loss_mean']:.5f})")
+  print("routing, per iteration: mean entropy of c " + " ".join(
+      f"{e:.4f}" for e in result["routing_entropy"])
+      + f" (uniform {result['routing_uniform_entropy']:.4f}), mean max c " + " ".join(f"{m:.4f}" for m in result["routing_max_c"]))
   if "at_least_one" in result:   # MultiMNIST
     print(f"both digits right: {result['accuracy']:.4f}, at least one right: "
           f"{result['at_least_one']:.4f}")

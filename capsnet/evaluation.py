@@ -13,17 +13,20 @@ from capsnet import model
 from capsnet import multimnist
 
 EvalGraph = collections.namedtuple(
-    "EvalGraph", ["images", "labels", "iterator", "outputs", "batch_images", "targets"])
+    "EvalGraph", ["images", "labels", "iterator", "outputs", "batch_images", "targets",
+                  "routing"])
 
 
-def build(cfg, batch_size, device=None, two_digits=False):
+def build(cfg, batch_size, device=None, two_digits=False, routing_stats=False):
   """Eval pipeline on the CPU and `model.forward(training=False)` on `device`.
 
   Args:
     two_digits: MultiMNIST: `[n, 2]` labels and the two targets.
+    routing_stats: also build `routing_movement` of the couplings (eval.py);
+      off in train.py, whose graph stays as it was.
   Returns: an `EvalGraph`; `images`/`labels` (and `targets`, or None) are the
   placeholders to feed at `iterator.initializer`, `batch_images` the current
-  batch's images.
+  batch's images, `routing` the per-example routing figures or None.
   """
   if two_digits:
     pipe = multimnist.eval_pipeline(batch_size, size=cfg.image_size)
@@ -35,8 +38,27 @@ def build(cfg, batch_size, device=None, two_digits=False):
   with tf.compat.v1.device(device), tf.name_scope("eval"):
     outputs = model.forward(batch_images, batch_labels, cfg, training=False,
                             device=device, targets=batch_targets)
+    routing = routing_movement(outputs.couplings) if routing_stats else None
   return EvalGraph(pipe.images, pipe.labels, pipe.iterator, outputs, batch_images,
-                   getattr(pipe, "targets", None))
+                   getattr(pipe, "targets", None), routing)
+
+
+def routing_movement(couplings):
+  """How far routing moves the coupling coefficients from uniform.
+
+  Args:
+    couplings: one `[batch, in_caps, out_caps]` tensor per routing
+      iteration, the first first (the first is uniform: softmax of zeros).
+  Returns: dict of `[batch, iterations]` tensors: "entropy", the mean over
+    the input capsules of the entropy of c_i over out_caps (nats; log(out_caps)
+    when uniform, 0 when each capsule picks one parent), and "max_c", the
+    mean over the input capsules of max_j c_ij (1 / out_caps when uniform).
+  """
+  couplings = [tf.cast(c, tf.float64) for c in couplings]   # exact means
+  entropy = [-tf.reduce_mean(tf.reduce_sum(c * tf.math.log(c + 1e-30), axis=2), axis=1)
+             for c in couplings]
+  max_c = [tf.reduce_mean(tf.reduce_max(c, axis=2), axis=1) for c in couplings]
+  return {"entropy": tf.stack(entropy, axis=1), "max_c": tf.stack(max_c, axis=1)}
 
 
 def run(sess, graph, images, labels, targets=None):
@@ -45,7 +67,9 @@ def run(sess, graph, images, labels, targets=None):
   Returns: dict with count, accuracy, error_percent, loss, margin_loss_mean,
     recon_loss_mean (means over examples), per_class_accuracy, confusion
     (rows = label, columns = prediction), and the per-example predictions,
-    lengths, margin_loss and recon_loss. With two labels an image
+    lengths, margin_loss and recon_loss. A graph built with routing_stats
+    adds routing_entropy and routing_max_c: per iteration, the means over
+    examples of `routing_movement`. With two labels an image
     (MultiMNIST): accuracy is the share whose two longest capsules are
     exactly the labels, at_least_one the share with one of them right; no
     per-class figures.
@@ -54,6 +78,8 @@ def run(sess, graph, images, labels, targets=None):
   num_classes = out.lengths.shape[-1]
   fetch = {"predictions": out.predictions, "lengths": out.lengths,
            "margin_loss": out.margin_loss, "recon_loss": out.recon_loss}
+  if graph.routing is not None:
+    fetch.update({"routing_" + k: t for k, t in graph.routing.items()})
   feed = {graph.images: images, graph.labels: labels}
   if graph.targets is not None:
     feed[graph.targets] = targets
@@ -72,6 +98,9 @@ def run(sess, graph, images, labels, targets=None):
   res.update(count=n, loss=float(np.mean(res["margin_loss"] + res["recon_loss"])),
              margin_loss_mean=float(res["margin_loss"].mean()),
              recon_loss_mean=float(res["recon_loss"].mean()))
+  for key in ("routing_entropy", "routing_max_c"):
+    if key in res:   # per example and iteration -> per iteration
+      res[key] = res[key].mean(axis=0).tolist()
   if np.ndim(labels) == 2:
     exact, one = multimnist.top2_scores(res["lengths"], labels)
     res.update(accuracy=exact, error_percent=100.0 * (1.0 - exact), at_least_one=one)
@@ -90,5 +119,6 @@ def run(sess, graph, images, labels, targets=None):
 def summary(res):
   """The scalar part of `run`'s result, for JSON and logs."""
   keys = ("count", "accuracy", "error_percent", "at_least_one", "loss",
-          "margin_loss_mean", "recon_loss_mean", "per_class_accuracy", "confusion")
+          "margin_loss_mean", "recon_loss_mean", "routing_entropy", "routing_max_c",
+          "per_class_accuracy", "confusion")
   return {k: res[k] for k in keys if k in res}

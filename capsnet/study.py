@@ -43,6 +43,7 @@ from absl import app
 from absl import flags
 
 from capsnet import files
+from capsnet import stats
 
 # train.py's learning-rate decay period; runs with another one get a tag.
 DEFAULT_DECAY_STEPS = 2000
@@ -68,7 +69,9 @@ GRIDS = {   # grid: {variant: the train.py flags that make it}
     },
 }
 VARIANTS = GRIDS["stop_gradient"]
-SMALL_FILES = ("config.json", "metrics.jsonl", "diagnostics.jsonl", "test_results.json")
+SMALL_FILES = ("config.json", "metrics.jsonl", "diagnostics.jsonl", "test_results.json",
+               "routing.json")
+LAST_EPOCHS = 10   # the decision rule's late validation figure: mean of the last 10
 
 
 def define_flags():
@@ -90,6 +93,11 @@ def define_flags():
   flags.DEFINE_integer("val_every", 100, "steps between validations inside an epoch "
                        "(for the curves; 0: epoch ends only)", lower_bound=0)
   flags.DEFINE_bool("train", True, "run missing runs (false: only tabulate)")
+  flags.DEFINE_list("compare", [], "paired comparisons A:B (B - A per seed, mean "
+                    "and 95 percent t interval), e.g. r3_recon:r3_recon_nostop")
+  flags.DEFINE_bool("routing", True, "after a run finishes, measure how far "
+                    "routing moves the couplings (eval.py on its best checkpoint, "
+                    "with its own and the other routing count): routing.json")
 
 
 FLAGS = flags.FLAGS
@@ -154,6 +162,7 @@ def describe_run(folder, epochs):
   config = read_json(os.path.join(folder, "config.json"), {})
   model, batch = config.get("model", {}), config.get("train", {}).get("batch_size")
   val = [m for m in metrics if "val_error_percent" in m]
+  epoch_val = [m["val_error_percent"] for m in epoch_rows if "val_error_percent" in m]
   diags = read_jsonl(os.path.join(folder, "diagnostics.jsonl"))
   wall = sum(m["wall_s"] for m in epoch_rows if "wall_s" in m)
   return {
@@ -166,6 +175,9 @@ def describe_run(folder, epochs):
                             if "count" in test else None),
       "test_at_least_one": test.get("at_least_one"),   # MultiMNIST only
       "best_val_error": min((m["val_error_percent"] for m in val), default=None),
+      "last_val_error": (statistics.mean(epoch_val[-LAST_EPOCHS:])
+                         if complete and len(epoch_val) >= LAST_EPOCHS else None),
+      "routing": read_json(os.path.join(folder, "routing.json")) if complete else None,
       "images_per_sec": statistics.mean(m["images_per_sec"] for m in epoch_rows),
       "train_wall_s": round(wall, 1),
       "curve": [(m["epoch"], m["val_error_percent"]) for m in val],
@@ -185,8 +197,9 @@ def summarize(out, grid, variants, seeds, epochs, schedules=(DEFAULT_DECAY_STEPS
     seeds: the seeds to look for (an iterable of ints).
     schedules: learning-rate decay periods; a row per variant and period.
   Returns: one dict per (variant, period) with an epoch done: its runs
-    (`describe_run`) and, over its complete runs, the test error mean and
-    (with two or more) the sample standard deviation.
+    (`describe_run`) and, over its complete runs, the mean and (with two or
+    more) the sample standard deviation of the test error and of the mean
+    validation error of the last 10 epochs.
   """
   rows = []
   for name, decay_steps in ((n, d) for n in variants for d in schedules):
@@ -197,6 +210,7 @@ def summarize(out, grid, variants, seeds, epochs, schedules=(DEFAULT_DECAY_STEPS
     done = [r for r in runs if r["complete"]]
     tests = [r["test_error"] for r in done]
     vals = [r["best_val_error"] for r in runs if r["best_val_error"] is not None]
+    lasts = [r["last_val_error"] for r in done if r["last_val_error"] is not None]
     spec = GRIDS[grid][name]
     rows.append({
         "variant": name, "dataset": spec.get("dataset", "mnist"),
@@ -208,6 +222,9 @@ def summarize(out, grid, variants, seeds, epochs, schedules=(DEFAULT_DECAY_STEPS
         "test_error_mean": statistics.mean(tests) if tests else None,
         "test_error_std": statistics.stdev(tests) if len(tests) > 1 else None,
         "best_val_error_mean": statistics.mean(vals) if vals else None,
+        "last_val_errors": lasts,
+        "last_val_error_mean": statistics.mean(lasts) if lasts else None,
+        "last_val_error_std": statistics.stdev(lasts) if len(lasts) > 1 else None,
         "images_per_sec": statistics.mean(r["images_per_sec"] for r in runs),
         "diag": {key: tuple(_mean_or_none(r["diag"][key][i] for r in runs)
                             for i in (0, 1))
@@ -222,6 +239,49 @@ def _mean_or_none(values):
   return statistics.mean(values) if values else None
 
 
+# The figures a comparison pairs: (run key, what it is).
+FIGURES = (("test_error", "test error of the best-validation checkpoint, %"),
+           ("last_val_error", f"mean validation error of the last {LAST_EPOCHS} epochs, %"))
+
+
+def parse_pairs(specs, variants):
+  """[(A, B)] from ["A:B", ...]; raises ValueError naming a bad entry."""
+  pairs = []
+  for spec in specs:
+    names = spec.split(":")
+    if len(names) != 2 or not all(n in variants for n in names) or names[0] == names[1]:
+      raise ValueError(f"--compare={spec}: expected A:B, two different variants "
+                       f"of {list(variants)}")
+    pairs.append(tuple(names))
+  return pairs
+
+
+def compare(rows, pairs):
+  """Paired differences B - A by seed, for each figure (the decision rule).
+
+  Args:
+    rows: `summarize`'s rows; a pair is compared at each decay period that
+      both variants have.
+    pairs: [(A, B)] variant names.
+  Returns: one dict per pair and period: a, b, decay_steps, and per figure
+    key the `stats.paired_difference` over the complete runs (or None).
+  """
+  by_key = {(r["variant"], r["decay_steps"]): r for r in rows}
+  out = []
+  for a, b in pairs:
+    for (name, decay_steps), row_a in by_key.items():
+      row_b = by_key.get((b, decay_steps))
+      if name != a or row_b is None:
+        continue
+      result = {"a": a, "b": b, "decay_steps": decay_steps}
+      for key, _ in FIGURES:
+        per_seed = [{x["seed"]: x[key] for x in row["runs"] if x["complete"]}
+                    for row in (row_a, row_b)]
+        result[key] = stats.paired_difference(*per_seed)
+      out.append(result)
+  return out
+
+
 def _fmt(x, spec):
   return "–" if x is None else format(x, spec)
 
@@ -231,8 +291,9 @@ def _duration(seconds):
   return f"{h} h {m:02d} min" if h else f"{m} min"
 
 
-def markdown(rows):
-  """The study's table: one line per variant, then one per run."""
+def markdown(rows, comparisons=()):
+  """The study's tables: one line per variant, one per run, then the paired
+  comparisons and, where measured, how far routing moves the couplings."""
   lines = [
       "| variant | r | decoder | stop_gradient | lr decay every | seeds done "
       "| test error % (mean ± std) | per seed | best val error % | images/s "
@@ -270,7 +331,81 @@ def markdown(rows):
         one = x["test_at_least_one"]
         cells += [_fmt(x["images_seen"], ",d"), _fmt(None if one is None else 100 * one, ".2f")]
       lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+  lines += _seed_table(rows) + _comparison_table(comparisons) + _routing_table(rows)
   return "\n".join(lines) + "\n"
+
+
+def _mean_std(mean, std):
+  return _fmt(mean, ".3f") + ("" if std is None else f" ± {std:.3f}")
+
+
+def _seed_table(rows):
+  """Both figures of the decision rule, per variant over its finished seeds."""
+  if not any(r["seeds"] for r in rows) or _multimnist(rows):
+    return []
+  lines = ["", "Both figures of the decision rule over the finished seeds (mean ± "
+           "sample std):", "",
+           f"| variant | lr decay every | seeds | test error % | per seed "
+           f"| mean val error of the last {LAST_EPOCHS} epochs % | per seed |",
+           "|---|---|---|---|---|---|---|"]
+  for r in rows:
+    done = [x for x in r["runs"] if x["complete"]]
+    per = lambda key, spec: ", ".join(
+        f"{_fmt(x[key], spec)} (seed {x['seed']})" for x in done) or "–"
+    lines.append(
+        f"| {r['variant']} | {r['decay_steps']} | {len(done)} | "
+        f"{_mean_std(r['test_error_mean'], r['test_error_std'])} | "
+        f"{per('test_error', '.2f')} | "
+        f"{_mean_std(r['last_val_error_mean'], r['last_val_error_std'])} | "
+        f"{per('last_val_error', '.3f')} |")
+  return lines
+
+
+def _comparison_table(comparisons):
+  if not comparisons:
+    return []
+  lines = ["", "Paired comparisons, B - A by seed (positive: A has the lower error); "
+           "95% interval mean ± t(0.975, n-1) sd / sqrt(n); called only when it "
+           "excludes zero:", "",
+           "| A | B | lr decay every | figure | seeds | B - A per seed | mean | "
+           "95% interval | verdict |", "|---|---|---|---|---|---|---|---|---|"]
+  for c in comparisons:
+    for key, label in FIGURES:
+      d = c[key]
+      per_seed = "–" if d is None else ", ".join(
+          f"{x:+.3f} (seed {s})" for s, x in zip(d["seeds"], d["diffs"]))
+      interval = ("–" if d is None or d["lo"] is None
+                  else f"[{d['lo']:+.3f}, {d['hi']:+.3f}]")
+      lines.append(
+          f"| {c['a']} | {c['b']} | {c['decay_steps']} | {label} | "
+          f"{0 if d is None else d['n']} | {per_seed} | "
+          f"{'–' if d is None else format(d['mean'], '+.3f')} | {interval} | "
+          f"{stats.verdict(d)} |")
+  return lines
+
+
+def _routing_table(rows):
+  """routing.json of each finished run: how far routing moves c from uniform."""
+  measured = [x for r in rows for x in r["runs"] if x.get("routing")]
+  if not measured:
+    return []
+  lines = ["", "How far routing moves the couplings on the 10,000 test images "
+           "(eval.py on the best-validation checkpoint; entropy in nats, uniform "
+           "= log 10 = 2.3026; mean max c, uniform = 0.1), and what the other "
+           "routing count changes:", "",
+           "| run | r | mean entropy of c, per iteration | mean max c, per iteration "
+           "| test errors | evaluated with r = | test errors | predictions changed "
+           "| fixed | broken |", "|---|---|---|---|---|---|---|---|---|---|"]
+  for x in measured:
+    m = x["routing"]
+    own, other = m["own"], m["other"]
+    lines.append(
+        f"| {x['run']} | {own['iter_routing']} | "
+        + " → ".join(f"{e:.4f}" for e in own["entropy"]) + " | "
+        + " → ".join(f"{c:.4f}" for c in own["max_c"]) + " | "
+        f"{own['errors']} | {other['iter_routing']} | {other['errors']} | "
+        f"{m['changed']} | {m['fixed']} | {m['broken']} |")
+  return lines
 
 
 def _figure():
@@ -303,9 +438,27 @@ X_AXES = {"epoch": ("curves", 1, "epoch"),
           "pairs": ("images_curves", 1e-6, "training pairs seen (millions)")}
 
 
+def band(curves):
+  """Mean, min and max over seeds at each x.
+
+  Args:
+    curves: one list of (x, y) per seed; a seed without a point at some x
+      (a run still in progress) is left out there.
+  Returns: (xs, means, mins, maxs), xs ascending.
+  """
+  at = {}
+  for curve in curves:
+    for x, y in curve:
+      at.setdefault(round(x, 6), []).append(y)
+  xs = sorted(at)
+  return (xs, [statistics.mean(at[x]) for x in xs], [min(at[x]) for x in xs],
+          [max(at[x]) for x in xs])
+
+
 def plot(rows, path, title="CapsNet on MNIST: routing variants", x="epoch",
          reference=None):
-  """Validation error against epoch, one colour per variant, a line per seed.
+  """Validation error against epoch: a line per variant, the mean over its
+  seeds, in a band from the lowest to the highest seed.
 
   Args:
     x: "epoch", or "pairs": MultiMNIST training pairs seen, in millions.
@@ -316,13 +469,16 @@ def plot(rows, path, title="CapsNet on MNIST: routing variants", x="epoch",
   key, scale, xlabel = X_AXES[x]
   many = max(len(c) for r in rows for c in r[key]) > 30
   for k, r in enumerate(rows):
-    for s, curve in enumerate(r[key]):
-      if not curve:
-        continue
-      xs, ys = zip(*((a * scale, b) for a, b in curve))
-      ax.plot(xs, ys, color=f"C{k}", marker=None if many else "o", markersize=3,
-              linewidth=1.2, linestyle="-" if s == 0 else "--",
-              label=_label(r) if s == 0 else None)
+    curves = [c for c in r[key] if c]
+    if not curves:
+      continue
+    xs, means, lows, highs = band(curves)
+    xs = [a * scale for a in xs]
+    ax.plot(xs, means, color=f"C{k}", marker=None if many else "o", markersize=3,
+            linewidth=1.2, label=f"{_label(r)} ({len(curves)} "
+                                 f"seed{'s' if len(curves) > 1 else ''})")
+    if len(curves) > 1:
+      ax.fill_between(xs, lows, highs, color=f"C{k}", alpha=0.2, linewidth=0)
   if reference:
     ax.axhline(reference[0], color="grey", linestyle=":", label=reference[1])
   ax.set_xlabel(xlabel)
@@ -331,7 +487,8 @@ def plot(rows, path, title="CapsNet on MNIST: routing variants", x="epoch",
   ax.yaxis.set_major_formatter(ticker.ScalarFormatter())
   ax.yaxis.set_minor_formatter(ticker.ScalarFormatter())
   ax.grid(True, which="both", alpha=0.3)
-  ax.legend(title="variant (solid: first seed, dashed: others)", fontsize=8)
+  ax.legend(title="mean over seeds; band: lowest to highest seed", fontsize=8,
+            title_fontsize=8)
   ax.set_title(title)
   _save(plt, fig, path)
 
@@ -364,12 +521,14 @@ TITLES = {"stop_gradient": "CapsNet on MNIST: routing variants",
           "multimnist": "CapsNet on MultiMNIST (both digits right)"}
 
 
-def report(rows, folder, title=TITLES["stop_gradient"]):
-  """results.md, results.json and the plots in `folder`."""
+def report(rows, folder, title=TITLES["stop_gradient"], comparisons=()):
+  """results.md, results.json (the rows; with comparisons: {"rows",
+  "comparisons"}) and the plots in `folder`."""
   os.makedirs(folder, exist_ok=True)
-  table = markdown(rows)
+  table = markdown(rows, comparisons)
   files.atomic_write(os.path.join(folder, "results.md"), table)
-  files.write_json(os.path.join(folder, "results.json"), rows)
+  files.write_json(os.path.join(folder, "results.json"),
+                   {"rows": rows, "comparisons": comparisons} if comparisons else rows)
   if rows:
     x, reference = ("pairs", MULTIMNIST_PAPER) if _multimnist(rows) else ("epoch", None)
     plot(rows, os.path.join(folder, "val_error.png"), title, x=x, reference=reference)
@@ -402,6 +561,69 @@ def run_one(spec, seed, folder, settings, extra):
              f"see {folder}.log")
 
 
+def other_routing(iter_routing):
+  """The routing count a run is also evaluated with: 1 (uniform couplings)
+  for a model trained with r > 1, 3 for one trained with r = 1."""
+  return 1 if iter_routing > 1 else 3
+
+
+def measure_routing(folder, iter_routing):
+  """routing.json of a finished run: eval.py on its best checkpoint with its
+  own routing count and with `other_routing`, on the test set; the per
+  iteration couplings figures and how many predictions the other count
+  changes (fixed: wrong before, right after; broken: the reverse).
+
+  Returns: the routing.json dict. Exits if eval.py fails.
+  """
+  results = {}
+  for r in (iter_routing, other_routing(iter_routing)):
+    out_dir = os.path.join(folder, f"routing_r{r}")
+    cmd = [sys.executable, os.path.join(ROOT, "eval.py"), f"--checkpoint={folder}",
+           f"--iter_routing={r}", f"--out_dir={out_dir}", "--num_images=8",
+           "--figure4_images=1"]
+    with open(folder + ".log", "a") as log:
+      rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    if rc:
+      sys.exit(f"study: error: eval.py --iter_routing={r} on {folder} failed "
+               f"(exit {rc}); see {folder}.log")
+    results[r] = (read_json(os.path.join(out_dir, "results.json")),
+                  _read_predictions(os.path.join(out_dir, "predictions.csv")))
+  summary = routing_summary(results[iter_routing], results[other_routing(iter_routing)])
+  files.write_json(os.path.join(folder, "routing.json"), summary)
+  return summary
+
+
+def _read_predictions(path):
+  """(labels, predictions) of eval.py's predictions.csv (one digit an image)."""
+  with open(path) as f:
+    rows = [line.split(",") for line in f.read().splitlines()[1:] if line]
+  return [int(r[1]) for r in rows], [int(r[2]) for r in rows]
+
+
+def routing_summary(own, other):
+  """routing.json from two (eval.py results.json, (labels, predictions)).
+
+  Returns: {"checkpoint", "uniform_entropy", "own": ..., "other": ...} each
+    with iter_routing, errors, error_percent, entropy and max_c per
+    iteration; "changed", "fixed", "broken": predictions of `other` that
+    differ from `own`'s, of which right only with `other`, right only with
+    `own`.
+  """
+  (res_a, (labels, pred_a)), (res_b, (labels_b, pred_b)) = own, other
+  if labels != labels_b:
+    raise ValueError("routing_summary: the two evaluations scored different images")
+  def part(res, pred):
+    return {"iter_routing": res["iter_routing"], "error_percent": res["error_percent"],
+            "errors": sum(p != y for p, y in zip(pred, labels)),
+            "entropy": res["routing_entropy"], "max_c": res["routing_max_c"]}
+  changed = [(a, b, y) for a, b, y in zip(pred_a, pred_b, labels) if a != b]
+  return {"checkpoint": res_a["checkpoint"], "images": len(labels),
+          "uniform_entropy": res_a["routing_uniform_entropy"],
+          "own": part(res_a, pred_a), "other": part(res_b, pred_b),
+          "changed": len(changed), "fixed": sum(b == y for _, b, y in changed),
+          "broken": sum(a == y for a, _, y in changed)}
+
+
 def main(argv):
   extra = argv[1:]     # everything after `--` goes to train.py
   grid = GRIDS[FLAGS.grid]
@@ -419,6 +641,10 @@ def main(argv):
              "expected positive integers")
   settings = {k: FLAGS[k].value for k in ("epochs", "precision", "diag_every",
                                           "val_every")}
+  try:
+    pairs = parse_pairs(FLAGS.compare, grid)
+  except ValueError as e:
+    sys.exit(f"study: error: {e}")
   seeds = range(FLAGS.first_seed, FLAGS.first_seed + FLAGS.seeds)
   os.makedirs(FLAGS.out, exist_ok=True)
   for seed, decay_steps, name in ((s, d, n) for s in seeds for d in schedules
@@ -428,10 +654,17 @@ def main(argv):
       print(f"{os.path.basename(folder)}: complete, skipped")
     elif FLAGS.train:
       run_one(grid[name], seed, folder, dict(settings, decay_steps=decay_steps), extra)
+    if (FLAGS.routing and is_complete(folder, FLAGS.epochs)
+        and grid[name].get("dataset", "mnist") != "multimnist"
+        and not os.path.exists(os.path.join(folder, "routing.json"))
+        and os.path.isdir(os.path.join(folder, "best"))):
+      print(f"{os.path.basename(folder)}: measuring routing", flush=True)
+      measure_routing(folder, grid[name]["iter_routing"])
   rows = summarize(FLAGS.out, FLAGS.grid, variants, seeds, FLAGS.epochs, schedules)
-  table = report(rows, FLAGS.out, TITLES[FLAGS.grid])
+  comparisons = compare(rows, pairs)
+  table = report(rows, FLAGS.out, TITLES[FLAGS.grid], comparisons)
   if FLAGS.publish:
-    report(rows, FLAGS.publish, TITLES[FLAGS.grid])
+    report(rows, FLAGS.publish, TITLES[FLAGS.grid], comparisons)
     publish(FLAGS.out, rows, FLAGS.publish)
   print(table)
 

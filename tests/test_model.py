@@ -3,6 +3,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from capsnet import evaluation
 from capsnet import layers
 from capsnet import losses
 from capsnet import model
@@ -178,3 +179,18 @@ def test_bf16_and_fp32_predictions_agree():
   np.testing.assert_allclose(lengths16, lengths32, atol=0.02)
   np.testing.assert_array_equal(preds16, preds32)
   assert np.abs(lengths16 - lengths32).max() > 0   # bf16 really ran
+
+
+def test_routing_movement_uniform_and_one_hot():
+  uniform = np.full([2, 4, 5], 0.2)
+  one_hot = np.zeros([2, 4, 5])
+  one_hot[:, :, 3] = 1.0
+  half = np.zeros([2, 4, 5])
+  half[:, :, :2] = 0.5
+  with tf.Graph().as_default(), tf.compat.v1.Session() as sess:
+    got = sess.run(evaluation.routing_movement(
+        [tf.constant(c, tf.float32) for c in (uniform, one_hot, half)]))
+  assert got["entropy"].shape == (2, 3) and got["max_c"].shape == (2, 3)
+  np.testing.assert_allclose(got["entropy"], [[np.log(5), 0.0, np.log(2)]] * 2, rtol=1e-6,
+                             atol=1e-12)
+  np.testing.assert_allclose(got["max_c"], [[0.2, 1.0, 0.5]] * 2, rtol=1e-6)

@@ -5,21 +5,26 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
+from capsnet import stats
 from capsnet import study
 from conftest import ROOT, SMALL, needs_mnist
 
 
 def fake_run(folder, test_error, val_errors, diag, epochs=1, speed=100.0,
-             complete=True, precision="bf16", at_least_one=None):
-  """A run folder as train.py leaves it; the last val error closes `epochs`."""
+             complete=True, precision="bf16", at_least_one=None, every_epoch=False):
+  """A run folder as train.py leaves it; the last val error closes `epochs`
+  (every_epoch: each val error closes an epoch, as with --val_every=0)."""
   os.makedirs(folder)
   with open(os.path.join(folder, "metrics.jsonl"), "w") as f:
     for k, e in enumerate(val_errors):
       row = {"epoch": round(epochs * (k + 1) / len(val_errors), 3), "step": 10 * (k + 1),
              "val_error_percent": e}
+      if k == len(val_errors) - 1 or every_epoch:
+        row.update(images_per_sec=speed, wall_s=90.0)
       if k == len(val_errors) - 1:
-        row.update(epoch=epochs, images_per_sec=speed, wall_s=90.0)
+        row.update(epoch=epochs)
       f.write(json.dumps(row) + "\n")
   with open(os.path.join(folder, "diagnostics.jsonl"), "w") as f:
     for k, d in enumerate(diag):
@@ -122,7 +127,7 @@ def test_table1_grid_commands_and_schedules(tmp_path):
       "diagnostic.png", "r3_recon_decay143_seed0", "r3_recon_seed0", "results.json",
       "results.md", "val_error.png"]
   assert sorted(os.listdir(os.path.join(published, "r3_recon_seed0"))) == sorted(
-      study.SMALL_FILES)
+      set(study.SMALL_FILES) - {"routing.json"})   # a fake run has no routing.json
 
 
 @needs_mnist
@@ -150,6 +155,15 @@ def test_study_cli_runs_then_skips(tmp_path):
   assert diag[-1]["digit_caps/weights"] > 1e-4   # r = 2: some gradient through c
   # Curves: validations at steps 10 and the epoch end (20 steps).
   assert [p[0] for p in row["curves"][0]] == [0.5, 1]
+  # Routing measured on the best checkpoint, with r = 2 and with r = 1.
+  routing = json.load(open(os.path.join(out, "r2_nostop_seed0", "routing.json")))
+  assert routing["own"]["iter_routing"] == 2 and routing["other"]["iter_routing"] == 1
+  assert routing["own"]["errors"] == round(test["error_percent"] * 100)
+  assert len(routing["own"]["entropy"]) == 2 and len(routing["other"]["max_c"]) == 1
+  np.testing.assert_allclose(routing["other"]["entropy"], [np.log(10)], rtol=1e-6)
+  assert routing["own"]["entropy"][1] < np.log(10)   # the second iteration moved c
+  assert row["runs"][0]["routing"] == routing
+  assert 0 <= routing["fixed"] + routing["broken"] <= routing["changed"] <= 10000
   proc = subprocess.run(args, capture_output=True, text=True, cwd=ROOT, env=env,
                         timeout=600)
   assert proc.returncode == 0
@@ -170,3 +184,106 @@ def test_study_flag_errors(tmp_path):
       "['r1_norecon', 'r1_recon', 'r3_norecon', 'r3_recon', 'r3_recon_nostop']")
   assert last_error("--decay_steps=2000,x") == (
       "study: error: --decay_steps=2000,x: expected positive integers")
+
+
+def test_t_quantiles_and_paired_interval_by_hand():
+  # Student's t, 0.975 quantile, from the printed tables.
+  for df, t in ((1, 12.7062), (2, 4.3027), (3, 3.1824), (4, 2.7764), (9, 2.2622),
+                (30, 2.0423)):
+    np.testing.assert_allclose(stats.t_quantile(0.975, df), t, atol=5e-5)
+  np.testing.assert_allclose(stats.t_quantile(0.95, 2), 2.9200, atol=5e-5)
+  # Differences 0.11, 0.02, 0.01: mean 0.04667, sd 0.055076, half-width
+  # 4.3027 * 0.055076 / sqrt(3) = 0.13682 -> [-0.09015, 0.18349].
+  d = stats.paired_difference({0: 0.38, 1: 0.43, 2: 0.40, 3: 0.5},
+                              {0: 0.49, 1: 0.45, 2: 0.41, 4: 0.1})
+  assert d["seeds"] == [0, 1, 2] and d["n"] == 3   # seeds 3 and 4 have no pair
+  np.testing.assert_allclose(d["diffs"], [0.11, 0.02, 0.01], atol=1e-12)
+  np.testing.assert_allclose([d["mean"], d["sd"], d["lo"], d["hi"]],
+                             [0.046667, 0.055076, -0.090149, 0.183482], atol=2e-6)
+  assert not d["called"]
+  assert stats.verdict(d) == ("not measurable at this budget: the interval is "
+                              "[-0.090, +0.183]")
+  # Consistent differences: the interval excludes zero.
+  d = stats.paired_difference({0: 1.0, 1: 2.0, 2: 3.0}, {0: 1.5, 1: 2.6, 2: 3.4})
+  np.testing.assert_allclose([d["lo"], d["hi"]], [0.5 - 4.3027 * 0.1 / np.sqrt(3),
+                                                  0.5 + 4.3027 * 0.1 / np.sqrt(3)],
+                             atol=1e-4)
+  assert d["called"] and stats.verdict(d).startswith("called: +0.500 points")
+  d = stats.paired_difference({0: 1.0}, {0: 1.5})
+  assert d["lo"] is None and not d["called"]
+  assert stats.paired_difference({0: 1.0}, {1: 1.5}) is None
+  with pytest.raises(ValueError, match="p must be in"):
+    stats.t_quantile(0.4, 3)
+
+
+def test_seed_aggregation_comparison_and_band_plot(tmp_path):
+  out = str(tmp_path)
+  vals = lambda last: [2.0] * 5 + [last] * 10   # the last 10 epochs' mean: last
+  for seed, (a_test, b_test, a_last, b_last) in enumerate(
+      [(0.38, 0.49, 0.40, 0.42), (0.43, 0.45, 0.44, 0.46), (0.40, 0.41, 0.41, 0.40)]):
+    fake_run(study.run_dir(out, "r3_recon", seed), a_test, vals(a_last), [0.1], epochs=15,
+             every_epoch=True)
+    fake_run(study.run_dir(out, "r3_recon_nostop", seed), b_test, vals(b_last), [0.1],
+             epochs=15, every_epoch=True)
+  fake_run(study.run_dir(out, "r1_recon", 0), 0.37, vals(0.36), [0.0], epochs=15,
+           complete=False, every_epoch=True)
+  rows = study.summarize(out, "table1", ["r3_recon", "r3_recon_nostop", "r1_recon"],
+                         range(3), 15)
+  stop, nostop, r1 = rows
+  np.testing.assert_allclose(stop["last_val_errors"], [0.40, 0.44, 0.41])
+  np.testing.assert_allclose([stop["last_val_error_mean"], stop["last_val_error_std"]],
+                             [0.416667, np.std([0.40, 0.44, 0.41], ddof=1)], atol=1e-6)
+  assert r1["last_val_errors"] == [] and r1["runs"][0]["last_val_error"] is None
+  pairs = study.parse_pairs(["r3_recon:r3_recon_nostop", "r3_recon:r1_recon"],
+                            study.GRIDS["table1"])
+  comparisons = study.compare(rows, pairs)
+  assert [(c["a"], c["b"]) for c in comparisons] == [
+      ("r3_recon", "r3_recon_nostop"), ("r3_recon", "r1_recon")]
+  test = comparisons[0]["test_error"]
+  np.testing.assert_allclose([test["mean"], test["lo"], test["hi"]],
+                             [0.046667, -0.090149, 0.183482], atol=2e-6)
+  late = comparisons[0]["last_val_error"]
+  np.testing.assert_allclose(late["diffs"], [0.02, 0.02, -0.01], atol=1e-9)
+  assert comparisons[1]["test_error"] is None   # r1_recon has no finished seed
+  table = study.markdown(rows, comparisons)
+  assert ("| r3_recon | 2000 | 3 | 0.403 ± 0.025 | 0.38 (seed 0), 0.43 (seed 1), "
+          "0.40 (seed 2) | 0.417 ± 0.021 | 0.400 (seed 0), 0.440 (seed 1), "
+          "0.410 (seed 2) |") in table
+  assert ("| r3_recon | r3_recon_nostop | 2000 | test error of the best-validation "
+          "checkpoint, % | 3 | +0.110 (seed 0), +0.020 (seed 1), +0.010 (seed 2) | "
+          "+0.047 | [-0.090, +0.183] | not measurable at this budget: the interval "
+          "is [-0.090, +0.183] |") in table
+  assert "| r3_recon | r1_recon | 2000 | test error" in table and "no paired seeds" in table
+  with pytest.raises(ValueError, match="--compare=r3_recon:r9: expected A:B"):
+    study.parse_pairs(["r3_recon:r9"], study.GRIDS["table1"])
+  # The band: mean, lowest and highest seed at each epoch; a seed in progress
+  # counts where it has points.
+  xs, means, lows, highs = study.band([[(1, 1.0), (2, 0.5)], [(1, 3.0), (2, 0.7)],
+                                       [(1, 2.0)]])
+  assert xs == [1, 2] and means == [2.0, 0.6] and lows == [1.0, 0.5] and highs == [3.0, 0.7]
+  study.report(rows, str(tmp_path / "report"), study.TITLES["table1"], comparisons)
+  assert open(tmp_path / "report" / "val_error.png", "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+  saved = json.load(open(tmp_path / "report" / "results.json"))
+  assert sorted(saved) == ["comparisons", "rows"] and len(saved["rows"]) == 3
+
+
+def test_routing_summary_counts_changed_predictions(tmp_path):
+  def result(r, entropy, max_c):
+    return {"iter_routing": r, "error_percent": 40.0, "routing_entropy": entropy,
+            "routing_max_c": max_c, "checkpoint": "x/best/model.ckpt-9",
+            "routing_uniform_entropy": float(np.log(10))}
+  labels = [0, 1, 2, 3, 4]
+  own = (result(3, [2.3026, 2.30, 2.29], [0.1, 0.11, 0.12]), (labels, [0, 1, 9, 9, 4]))
+  other = (result(1, [2.3026], [0.1]), (labels, [0, 7, 2, 8, 4]))
+  m = study.routing_summary(own, other)
+  # changed: image 1 (right -> wrong: broken), 2 (wrong -> right: fixed),
+  # 3 (wrong -> wrong).
+  assert (m["changed"], m["fixed"], m["broken"]) == (3, 1, 1)
+  assert m["own"]["errors"] == 2 and m["other"]["errors"] == 2 and m["images"] == 5
+  assert m["own"]["entropy"] == [2.3026, 2.30, 2.29] and m["other"]["iter_routing"] == 1
+  assert study.other_routing(3) == 1 and study.other_routing(1) == 3
+  path = tmp_path / "predictions.csv"
+  path.write_text("index,label,prediction,length_0\n0,3,3,0.9\n1,5,2,0.8\n")
+  assert study._read_predictions(str(path)) == ([3, 5], [3, 2])
+  with pytest.raises(ValueError, match="different images"):
+    study.routing_summary(own, (other[0], ([1, 1, 2, 3, 4], [0, 7, 2, 8, 4])))

@@ -1,0 +1,85 @@
+"""Paired comparisons of seeds: the mean difference with a t interval.
+
+The study's decision rule (README, "The three-seed decision rule"): two
+variants run with the same seeds are compared by their per-seed differences;
+a difference is called only when its 95% interval excludes zero.
+"""
+import math
+import statistics
+
+
+def t_two_sided_coverage(t, df):
+  """P(|T| <= t) for Student's t with `df` (a positive int) degrees of freedom.
+
+  The closed form for integer degrees of freedom (Abramowitz and Stegun
+  26.7.3 and 26.7.4), with theta = atan(t / sqrt(df)).
+  """
+  if df < 1 or int(df) != df:
+    raise ValueError(f"t_two_sided_coverage: df must be a positive int, got {df!r}")
+  theta = math.atan(abs(t) / math.sqrt(df))
+  cos2 = math.cos(theta) ** 2
+  if df % 2:   # odd: (2/pi) (theta + sin cos (1 + 2/3 cos^2 + 2.4/3.5 cos^4 ...))
+    term, series = 1.0, 1.0 if df > 1 else 0.0
+    for k in range(1, (df - 1) // 2):
+      term *= cos2 * (2 * k) / (2 * k + 1)
+      series += term
+    return 2 / math.pi * (theta + math.sin(theta) * math.cos(theta) * series)
+  term, series = 1.0, 1.0   # even: sin (1 + 1/2 cos^2 + 1.3/2.4 cos^4 ...)
+  for k in range(1, df // 2):
+    term *= cos2 * (2 * k - 1) / (2 * k)
+    series += term
+  return math.sin(theta) * series
+
+
+def t_quantile(p, df):
+  """The t with P(T <= t) = p (0.5 < p < 1), `df` degrees of freedom; e.g.
+  t_quantile(0.975, 2) = 4.303. Found by bisection on the closed form."""
+  if not 0.5 < p < 1:
+    raise ValueError(f"t_quantile: p must be in (0.5, 1), got {p!r}")
+  coverage = 2 * p - 1
+  lo, hi = 0.0, 1.0
+  while t_two_sided_coverage(hi, df) < coverage:
+    hi *= 2
+  for _ in range(200):
+    mid = (lo + hi) / 2
+    lo, hi = (mid, hi) if t_two_sided_coverage(mid, df) < coverage else (lo, mid)
+  return (lo + hi) / 2
+
+
+def paired_difference(a, b, level=0.95):
+  """Per-seed differences b - a and their mean with a t confidence interval.
+
+  Args:
+    a, b: dicts seed -> figure (None: not available); the seeds both have are
+      paired.
+    level: coverage of the two-sided interval.
+  Returns: dict with seeds, diffs (in seed order), n, mean, sd (sample
+    standard deviation of the differences; None for n < 2), t, lo, hi (None
+    for n < 2), and called: the interval excludes zero. None if no seed pairs.
+  """
+  seeds = sorted(s for s in a if s in b and a[s] is not None and b[s] is not None)
+  if not seeds:
+    return None
+  diffs = [b[s] - a[s] for s in seeds]
+  n, mean = len(diffs), statistics.mean(diffs)
+  result = {"seeds": seeds, "diffs": diffs, "n": n, "mean": mean, "sd": None,
+            "t": None, "lo": None, "hi": None, "called": False}
+  if n > 1:
+    sd = statistics.stdev(diffs)
+    t = t_quantile(0.5 + level / 2, n - 1)
+    half = t * sd / math.sqrt(n)
+    result.update(sd=sd, t=t, lo=mean - half, hi=mean + half,
+                  called=mean - half > 0 or mean + half < 0)
+  return result
+
+
+def verdict(d, unit="points"):
+  """The decision rule's sentence for a `paired_difference` result."""
+  if d is None:
+    return "no paired seeds"
+  if d["lo"] is None:
+    return f"one seed pair ({d['mean']:+.3f} {unit}): no interval"
+  interval = f"[{d['lo']:+.3f}, {d['hi']:+.3f}]"
+  if d["called"]:
+    return f"called: {d['mean']:+.3f} {unit}, 95% interval {interval}"
+  return f"not measurable at this budget: the interval is {interval}"
