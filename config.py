@@ -34,6 +34,10 @@ _MODEL_HELP = {
     "digit_dim": "DigitCaps capsule dimension",
     "iter_routing": "routing iterations r (Procedure 1)",
     "stop_gradient": "inner routing iterations read stop_gradient(u_hat)",
+    "capsule_layers": "paper: the layers and initialisers of the paper's text; "
+                      "official: those of the authors' code (PrimaryCaps "
+                      "divided by its 32 types plus a bias, a bias on DigitCaps' "
+                      "s_j, truncated-normal weights, biases 0.1; see README)",
     "m_plus": "margin loss m+",
     "m_minus": "margin loss m-",
     "down_weight": "margin loss lambda (weight of absent classes)",

@@ -14,6 +14,22 @@ from capsnet import losses
 from capsnet import routing
 
 
+# ModelConfig.capsule_layers: the paper's layers, or those of the authors'
+# code (Sarasra/models, research/capsules), which differ from the text:
+# - PrimaryCaps: a one-iteration capsule layer over its 32 types, so the
+#   convolution's output is divided by 32 before its bias (0.1 at first) and
+#   the squash;
+# - DigitCaps: a learned bias [10, 16] (0.1 at first) added to s_j before the
+#   squash in every routing iteration (160 more parameters: 8,215,728);
+# - initialisers: truncated normal, stddev 0.05 for Conv1 and 0.1 for
+#   PrimaryCaps, W and the decoder, every bias 0.1 (paper: Glorot uniform and
+#   zero biases, W from N(0, 0.01)).
+# Routing, the margin loss and the decoder's shape are the same; the loss
+# balance is recon_weight's (the official code's is 0.01 against the summed
+# margin loss, see README), the stop_gradient switch its own.
+CAPSULE_LAYERS = ("paper", "official")
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
   """CapsNet hyperparameters; defaults are the paper's MNIST model."""
@@ -29,6 +45,7 @@ class ModelConfig:
   digit_dim: int = 16            # dimension of a DigitCaps capsule
   iter_routing: int = 3          # r in Procedure 1
   stop_gradient: bool = True     # inner routing iterations read stop_gradient(u_hat)
+  capsule_layers: str = "paper"  # "official": the authors' code's layers and inits
   m_plus: float = 0.9            # margin loss m+
   m_minus: float = 0.1           # margin loss m-
   down_weight: float = 0.5       # margin loss lambda for absent classes
@@ -66,7 +83,7 @@ class ModelConfig:
         raise ValueError(f"ModelConfig.{name} must be >= 0, "
                          f"got {getattr(self, name)!r}")
     choices = {"dtype": ("float32", "float64"), "precision": ("fp32", "bf16"),
-               "conv_impl": fast_conv.IMPLS}
+               "conv_impl": fast_conv.IMPLS, "capsule_layers": CAPSULE_LAYERS}
     for name, allowed in choices.items():
       if getattr(self, name) not in allowed:
         raise ValueError(f"ModelConfig.{name} must be one of {allowed}, "
@@ -149,16 +166,20 @@ def forward(images, labels, cfg, training, digit_caps=layers.digit_caps, device=
   dtype = tf.as_dtype(cfg.dtype)
   compute = _compute_dtype(cfg)
   conv_impl = fast_conv.resolve_impl(cfg.conv_impl, device)
+  official = cfg.capsule_layers == "official"
   images = tf.cast(images, dtype)
   labels = tf.cast(labels, tf.int32)
   with tf.compat.v1.variable_scope("capsnet", reuse=tf.compat.v1.AUTO_REUSE):
     x = layers.conv1(images, cfg.conv1_channels, cfg.conv1_kernel, compute,
-                     conv_impl)
+                     conv_impl, official)
     u = layers.primary_caps(x, cfg.primary_types, cfg.primary_dim,
                             cfg.primary_kernel, cfg.primary_stride, compute,
-                            conv_impl)                # [b, i, k]
+                            conv_impl, official)      # [b, i, k]
+    # (`official` only when set: the benchmark's baseline DigitCaps has none)
+    official_caps = {"official": True} if official else {}
     v, couplings, u_hat = digit_caps(u, cfg.num_classes, cfg.digit_dim,
-                                     cfg.iter_routing, cfg.stop_gradient)
+                                     cfg.iter_routing, cfg.stop_gradient,
+                                     **official_caps)
     lengths = routing.safe_norm(v)                   # [b, o]
     if two_digits:
       predictions, recon, margin, recon_loss, accuracy = _two_digit_heads(
@@ -230,7 +251,7 @@ def _masked_decoder(v, classes, cfg):
   mask = tf.one_hot(classes, cfg.num_classes, dtype=v.dtype)   # [b, o]
   masked = tf.reshape(v * mask[..., None], [-1, cfg.num_classes * cfg.digit_dim])
   return layers.decoder(masked, cfg.decoder_units, cfg.num_pixels,
-                        _compute_dtype(cfg))
+                        _compute_dtype(cfg), cfg.capsule_layers == "official")
 
 
 def _compute_dtype(cfg):

@@ -44,7 +44,7 @@ def squash(s, axis=-1):
     return s * (sq / ((1.0 + sq) * norm))
 
 
-def dynamic_routing(u_hat, num_iters, stop_gradient=True):
+def dynamic_routing(u_hat, num_iters, stop_gradient=True, bias=None):
   """Routing by agreement (Procedure 1), unrolled in Python.
 
   One `variable_scope("iter_{r}")` per iteration. The logits `b` start at zero
@@ -60,6 +60,8 @@ def dynamic_routing(u_hat, num_iters, stop_gradient=True):
     u_hat: `[batch, in_caps, out_caps, out_dim]` prediction vectors.
     num_iters: number of routing iterations r >= 1.
     stop_gradient: whether the inner iterations read a stopped `u_hat`.
+    bias: None, or `[out_caps, out_dim]` added to `s_j` before the squash in
+      every iteration (the official code's capsule layer).
   Returns:
     v: `[batch, out_caps, out_dim]` output capsules (squashed).
     couplings: `num_iters` tensors `[batch, in_caps, out_caps]`, the coupling
@@ -91,6 +93,8 @@ def dynamic_routing(u_hat, num_iters, stop_gradient=True):
         pairs = tf.matmul(c, u, transpose_a=True)       # [b, o, o*d]
         pairs = tf.reshape(pairs, [-1, out_caps, out_caps, out_dim])
         s = tf.reduce_sum(pairs * eye[:, :, None], axis=2, name="s")  # [b, o, d]
+        if bias is not None:
+          s = s + bias
         v = squash(s)                                   # [b, o, d]
         if not last:
           v_block = tf.reshape(v[:, :, :, None] * eye[:, None, :],

@@ -194,3 +194,75 @@ def test_routing_movement_uniform_and_one_hot():
   np.testing.assert_allclose(got["entropy"], [[np.log(5), 0.0, np.log(2)]] * 2, rtol=1e-6,
                              atol=1e-12)
   np.testing.assert_allclose(got["max_c"], [[0.2, 1.0, 0.5]] * 2, rtol=1e-6)
+
+
+def test_official_layers_parameter_count_and_shapes():
+  official = model.ModelConfig(capsule_layers="official")
+  # DigitCaps gains a [10, 16] bias; PrimaryCaps' bias replaces the conv's.
+  assert _count_params(official) == 8_215_568 + 160 == 8_215_728
+  assert _count_params(model.ModelConfig(capsule_layers="official",
+                                         use_decoder=False)) == 6_804_224 + 160
+  with tf.Graph().as_default():
+    out = model.forward(tf.zeros([2, 28, 28, 1]), tf.zeros([2], tf.int32), official,
+                        training=False)
+    assert out.u.shape.as_list() == [2, 1152, 8]
+    assert out.u_hat.shape.as_list() == [2, 1152, 10, 16]
+    assert out.v.shape.as_list() == [2, 10, 16]
+    shapes = {v.op.name: v.shape.as_list() for v in tf.compat.v1.global_variables()}
+  assert shapes["capsnet/digit_caps/biases"] == [10, 16]
+  assert shapes["capsnet/primary_caps/biases"] == [256]
+  with pytest.raises(ValueError, match="capsule_layers must be one of"):
+    model.ModelConfig(capsule_layers="keras")
+
+
+def test_official_initialisers(tiny_cfg):
+  import dataclasses
+  cfg = dataclasses.replace(tiny_cfg, capsule_layers="official", conv1_channels=64,
+                            digit_dim=16)
+  with tf.Graph().as_default():
+    tf.compat.v1.set_random_seed(0)
+    model.forward(tf.zeros([1, 12, 12, 1], tf.float64), tf.zeros([1], tf.int32), cfg,
+                  training=True)
+    with tf.compat.v1.Session() as sess:
+      sess.run(tf.compat.v1.global_variables_initializer())
+      values = {v.op.name: sess.run(v) for v in tf.compat.v1.global_variables()}
+  for name, stddev in (("conv1", 0.05), ("primary_caps", 0.1), ("digit_caps", 0.1),
+                       ("decoder/fc1", 0.1)):
+    w = values[f"capsnet/{name}/weights"]
+    # a normal truncated at 2 stddev: |w| < 2 stddev, std 0.88 stddev
+    assert np.abs(w).max() < 2 * stddev
+    np.testing.assert_allclose(w.std(), 0.8796 * stddev, rtol=0.2)
+    np.testing.assert_array_equal(values[f"capsnet/{name}/biases"], 0.1)
+
+
+def test_official_primary_caps_divide_by_types_and_digit_bias():
+  """Hand-set inputs: a 1x1 convolution of ones (one output position), so
+  the conv output is sum(x) * w; official u = squash(conv / types + bias)."""
+  x = np.full([1, 1, 1, 3], 2.0)   # conv output of a ones kernel: 6 per channel
+  types, dim = 4, 2
+  with tf.Graph().as_default(), tf.compat.v1.Session() as sess:
+    with tf.compat.v1.variable_scope("a"):
+      u_off = layers.primary_caps(tf.constant(x), types, dim, 1, 1, official=True)
+    with tf.compat.v1.variable_scope("b"):
+      u_pap = layers.primary_caps(tf.constant(x), types, dim, 1, 1)
+    for v in tf.compat.v1.global_variables():
+      sess.run(v.assign(tf.ones_like(v) if "weights" in v.op.name
+                        else tf.fill(v.shape, tf.constant(0.25, v.dtype))))
+    got_off, got_pap = sess.run([u_off, u_pap])
+  def squash(s):
+    n2 = (s ** 2).sum(-1, keepdims=True)
+    return s * n2 / ((1 + n2) * np.sqrt(n2))
+  np.testing.assert_allclose(got_off, squash(np.full([1, types, dim], 6.0 / types + 0.25)),
+                             rtol=1e-12)
+  np.testing.assert_allclose(got_pap, squash(np.full([1, types, dim], 6.0 + 0.25)),
+                             rtol=1e-12)
+  # DigitCaps' bias: with r = 1, v = squash(sum_i u_hat / out_caps + bias).
+  u = np.random.RandomState(0).randn(2, 3, 4)
+  with tf.Graph().as_default(), tf.compat.v1.Session() as sess:
+    v, _, u_hat = layers.digit_caps(tf.constant(u), 5, 2, 1, True, official=True)
+    bias = [x for x in tf.compat.v1.global_variables() if x.op.name.endswith("biases")][0]
+    sess.run(tf.compat.v1.global_variables_initializer())
+    sess.run(bias.assign(np.arange(10.0).reshape(5, 2) / 10))
+    got_v, got_u_hat = sess.run([v, u_hat])
+  np.testing.assert_allclose(
+      got_v, squash(got_u_hat.sum(1) / 5 + np.arange(10.0).reshape(5, 2) / 10), rtol=1e-9)  # (squash's 1e-12 under the root)

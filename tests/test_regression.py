@@ -23,6 +23,8 @@ WEIGHTS_SHA256 = {
 }
 BF16_WEIGHTS_SHA256 = {   # CPU bf16 instructions: sha256
     "avx512_bf16": "25360c1e0bed34fe978546a89d2f03028cd49809fcaaf3f2aee196514b7c63d3",
+    # recorded at commit 3866746 (before the official layers and weight averaging)
+    "avx512_bf16,amx_bf16": "389aa19701adcbca7027e016c82e9d135f644cb7143c3cea06ddb4d5ce8e5187",
 }
 
 
