@@ -112,6 +112,10 @@ def define_train_flags():
                        lower_bound=1)
   flags.DEFINE_float("decay_rate", 0.96, "learning-rate decay factor per period",
                      lower_bound=0)
+  flags.DEFINE_float("ema_decay", 0.0, "weight averaging: decay of an exponential "
+                     "moving average of the model variables, scored beside the raw "
+                     "weights at every validation (e.g. 0.999; 0: off)",
+                     lower_bound=0, upper_bound=0.999999)
   flags.DEFINE_integer("seed", 0, "graph-level seed and data order seed")
   flags.DEFINE_string("device", None, "model device; default /gpu:0 when "
                       "TensorFlow sees a GPU, else /cpu:0")

@@ -55,6 +55,7 @@ class Settings:
   """eval.py's flags, read once in `main`."""
   checkpoint: str
   which: str
+  weights: str              # auto (the run's choice), raw or averaged
   iter_routing: int         # None: the run's own
   split: str
   batch_size: int
@@ -77,6 +78,9 @@ def define_flags(fv=flags.FLAGS):
                       flag_values=fv)
   flags.DEFINE_enum("which", "best", ["best", "latest"], "checkpoint of a logdir",
                     flag_values=fv)
+  flags.DEFINE_enum("weights", "auto", ["auto", "raw", "averaged"], "the raw "
+                    "weights, their moving average (runs with --ema_decay), or "
+                    "auto: those that won the run's validation", flag_values=fv)
   flags.DEFINE_integer("iter_routing", None, "override routing iterations",
                        lower_bound=1, flag_values=fv)
   flags.DEFINE_enum("split", "test", ["test", "validation"], "split to score",
@@ -119,7 +123,7 @@ def main(argv, fv=flags.FLAGS):
     if reason:
       raise runs.RunError(f"{ckpt}: damaged checkpoint ({reason})")
     if s.export_savedmodel:
-      serving.export(cfg, ckpt, s.export_savedmodel)
+      serving.export(cfg, ckpt, s.export_savedmodel, s.weights)
       print(f"wrote the SavedModel of {ckpt} to {s.export_savedmodel}")
     elif s.images:
       s = dataclasses.replace(s, out_dir=s.out_dir or os.path.join(run_dir, "own_images"))
@@ -164,7 +168,7 @@ def classify_files(cfg, ckpt, s):
     except pictures.ImageError as e:
       print(f"eval.py: error: {e}", file=sys.stderr)
       failed += 1
-  results = serving.classify(cfg, ckpt, np.stack(images)) if images else None
+  results = serving.classify(cfg, ckpt, np.stack(images), s.weights) if images else None
   report = []
   for k, path in enumerate(names):
     r = {key: value[k] for key, value in results.items()}
@@ -215,16 +219,14 @@ def evaluate(cfg, ckpt, split, s):
       v_in = tf.compat.v1.placeholder(ev.outputs.v.dtype, ev.outputs.v.shape)
       class_in = tf.compat.v1.placeholder(tf.int32, [None])
       figure4 = (v_in, class_in, model.decode(v_in, class_in, cfg))
-    variables = tf.compat.v1.global_variables()
-    runs.check_matches(ckpt, variables)
-    saver = tf.compat.v1.train.Saver(variables)
+    saver, weights = runs.model_saver(ckpt, tf.compat.v1.global_variables(), s.weights)
     proto = tf.compat.v1.ConfigProto(allow_soft_placement=True)
     proto.gpu_options.allow_growth = True
     with tf.compat.v1.Session(config=proto) as sess:
       saver.restore(sess, ckpt)
       res = evaluation.run(sess, ev, *split)
       result = dict(evaluation.summary(res), checkpoint=ckpt, dataset=s.dataset,
-                    split=s.split, iter_routing=cfg.iter_routing,
+                    split=s.split, iter_routing=cfg.iter_routing, weights=weights,
                     routing_uniform_entropy=float(np.log(cfg.num_classes)))
       files.write_json(os.path.join(out_dir, "results.json"), result)
       write_predictions(os.path.join(out_dir, "predictions.csv"), labels, res)
@@ -302,7 +304,8 @@ def write_pictures(sess, ev, figure4, images, labels, cfg, s, out_dir):
 
 
 def print_report(result, out_dir):
-  print(f"checkpoint: {result['checkpoint']}  (iter_routing={result['iter_routing']})")
+  print(f"checkpoint: {result['checkpoint']}  (iter_routing={result['iter_routing']}, "
+        f"{result['weights']} weights)")
   print(f"{result['split']}: {result['count']} images, accuracy {result['accuracy']:.4f}, "
         f"error {result['error_percent']:.2f}%")
   print(f"loss {result['loss']:.5f} (margin {result['margin_loss_mean']:.5f}, "

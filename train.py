@@ -61,8 +61,11 @@ RESUMABLE_CHANGES = ("precision", "conv_impl")
 # RESUMABLE_SETTINGS must be the same when a run resumes.
 RECORDED_SETTINGS = ("dataset", "val_size", "train_size", "batch_size",
                      "learning_rate", "decay_steps", "decay_rate", "seed", "epochs",
-                     "multimnist_shift", "workers", "sync")
+                     "multimnist_shift", "workers", "sync", "ema_decay")
 RESUMABLE_SETTINGS = ("epochs",)
+# Recorded settings added since some runs started: what a config.json without
+# them means (weight averaging stays off for a run that started without it).
+SETTING_DEFAULTS = {"ema_decay": 0.0}
 
 
 class TrainingError(Exception):
@@ -89,6 +92,7 @@ class Settings:
   learning_rate: float
   decay_steps: int
   decay_rate: float
+  ema_decay: float          # weight averaging (0: off)
   seed: int
   device: str               # tower 0's device
   num_gpus: int             # towers
@@ -121,6 +125,9 @@ def settings_from_flags(values):
   kwargs["workers"] = cluster.num_workers(kwargs["cluster"])
   if kwargs["cluster"] and kwargs["dataset"] == "multimnist":
     raise ValueError("--dataset=multimnist does not run on a cluster yet")
+  if kwargs["cluster"] and kwargs["ema_decay"]:
+    raise ValueError(f"--ema_decay={kwargs['ema_decay']}: weight averaging does not "
+                     "run on a cluster yet; use --ema_decay=0 there")
   kwargs["device"] = config.resolve_device(kwargs["device"], "train.py")
   kwargs["data_dir"] = kwargs["data_dir"] or config.default_data_dir(kwargs["dataset"])
   if kwargs["batch_size"] % kwargs["num_gpus"]:
@@ -185,12 +192,17 @@ def check_logdir(logdir, cfg, s):
     old_model, old_train = old["model"], old.get("train", {})
   except (OSError, ValueError, KeyError, TypeError) as e:
     raise ValueError(f"{path}: not a valid config.json ({e})") from None
+  defaults = dataclasses.asdict(model.ModelConfig())   # fields added since
   for field, value in dataclasses.asdict(cfg).items():
     if field not in RESUMABLE_CHANGES:
-      _same(path, field, old_model.get(field), value)
+      _same(path, field, old_model.get(field, defaults[field]), value)
   for field, value in s.recorded().items():
-    if field not in RESUMABLE_SETTINGS and field in old_train:
+    if field in RESUMABLE_SETTINGS:
+      continue
+    if field in old_train:
       _same(path, field, old_train[field], value)
+    elif field in SETTING_DEFAULTS:
+      _same(path, field, SETTING_DEFAULTS[field], value)
 
 
 def _same(path, field, before, value):
@@ -234,6 +246,7 @@ class Position:
   epoch: int = 0            # completed epochs
   examples: int = 0         # examples of the current epoch already trained
   best_val: float = -1.0    # best validation accuracy so far (-1: none)
+  best_averaged: bool = False  # the best checkpoint won with its averaged weights
   loss_sum: float = 0.0     # sums over the current epoch's steps, for its
   accuracy_sum: float = 0.0  # metrics row (float64, added in step order)
   summed_steps: int = 0     # steps in those sums
@@ -277,6 +290,15 @@ class RunState:
     self._feeds.update(feeds)
     self.optional = list(sums.values())
 
+  def add_averaging(self):
+    """Which weights won the best validation (runs with --ema_decay only)."""
+    var = tf.compat.v1.get_variable("state/best_averaged", [], tf.bool,
+                                    tf.constant_initializer(False), trainable=False)
+    feed = tf.compat.v1.placeholder(tf.bool, [])
+    self._assign = tf.group(self._assign, var.assign(feed))
+    self._vars["best_averaged"] = var
+    self._feeds["best_averaged"] = feed
+
   def load(self, sess):
     """The position held by the variables (after a restore or an init)."""
     values = sess.run({"step": self.global_step, **self._vars})
@@ -294,8 +316,8 @@ class RunState:
 
 TrainGraph = collections.namedtuple("TrainGraph", [
     "graph", "state", "input", "lr", "train_op", "loss", "accuracy", "summary",
-    "eval", "diag", "saver_latest", "saver_best", "saver_without_optional",
-    "init", "init_optional", "cluster"])
+    "eval", "eval_averaged", "diag", "saver_latest", "saver_best",
+    "saver_without_optional", "init", "init_optional", "cluster"])
 
 
 def build_graph(cfg, s, devices, fixed_batch):
@@ -341,6 +363,10 @@ def build_graph(cfg, s, devices, fixed_batch):
             tf.cast(fixed[0], tf.float32) / 255.0, fixed[1], cfg, devices[0],
             tf.cast(fixed[2], tf.float32) / 255.0 if len(fixed) > 2 else None)
     state.add_epoch_sums()
+    eval_averaged = None
+    if s.ema_decay:   # created last: the graph of a run without it is unchanged
+      train_op, eval_averaged = weight_averaging(cfg, s, state, train_op, devices[0],
+                                                 two_digits=targets is not None)
     saver_latest = tf.compat.v1.train.Saver(max_to_keep=2, save_relative_paths=True)
     saver_best = tf.compat.v1.train.Saver(max_to_keep=1, save_relative_paths=True)
     saver_without_optional = tf.compat.v1.train.Saver(
@@ -350,8 +376,38 @@ def build_graph(cfg, s, devices, fixed_batch):
     coordination = distributed.coordination(s.cluster, opt)
   graph.finalize()
   return TrainGraph(graph, state, pipe, lr, train_op, loss, accuracy, summary, ev,
-                    diag, saver_latest, saver_best, saver_without_optional, init,
-                    init_optional, coordination)
+                    eval_averaged, diag, saver_latest, saver_best,
+                    saver_without_optional, init, init_optional, coordination)
+
+
+def weight_averaging(cfg, s, state, train_op, device, two_digits):
+  """An exponential moving average of the model variables, updated after
+  each step, and an evaluation graph that reads the averages.
+
+  `tf.train.ExponentialMovingAverage` with `num_updates` = the global step,
+  so the decay is min(--ema_decay, (1 + step) / (10 + step)): the early
+  averages follow the weights. The shadow variables
+  (`<variable>/ExponentialMovingAverage`) are in every checkpoint; the raw
+  weights' updates are the same ops as without them.
+
+  Returns: (the train op with the average's update after it, an `EvalGraph`
+    on the averaged weights).
+  """
+  ema = tf.compat.v1.train.ExponentialMovingAverage(s.ema_decay,
+                                                    num_updates=state.global_step)
+  model_vars = [v for v in tf.compat.v1.trainable_variables()
+                if v.op.name.startswith("capsnet/")]
+  with tf.control_dependencies([train_op]):
+    train_op = ema.apply(model_vars)
+  state.add_averaging()
+
+  def averaged(getter, *args, **kwargs):
+    return ema.average(getter(*args, **kwargs))
+  with tf.compat.v1.variable_scope(tf.compat.v1.get_variable_scope(),
+                                   custom_getter=averaged), \
+      tf.name_scope("averaged"):
+    ev = evaluation.build(cfg, s.eval_batch_size, device, two_digits=two_digits)
+  return train_op, ev
 
 
 def _summaries(out, images, lr):
@@ -751,44 +807,65 @@ def end_epoch(run, pos, stats):
 
 
 def validate(run, pos, row):
-  """Scores the validation split into `row`, appends it to metrics.jsonl and
-  saves the best checkpoint (without a validation split: the newest)."""
+  """Scores the validation split into `row` (with weight averaging, also the
+  averaged weights: the `*_averaged` keys), appends it to metrics.jsonl and
+  saves the best checkpoint by the better of the two (without a validation
+  split: the newest)."""
   split = run.splits["validation"]
   val_y = split[1]
   if len(val_y):
-    val = evaluation.run(run.sess, run.g.eval, *split)
-    row.update(val_loss=val["loss"], val_accuracy=val["accuracy"],
-               val_error_percent=val["error_percent"])
-    if "at_least_one" in val:
-      row["val_at_least_one"] = val["at_least_one"]
-    print(f"epoch {row['epoch']}: validation accuracy {val['accuracy']:.4f} "
-          f"(error {val['error_percent']:.2f}%), loss {val['loss']:.4f}"
+    graphs = {"": run.g.eval}
+    if run.g.eval_averaged:
+      graphs["_averaged"] = run.g.eval_averaged
+    for suffix, graph in graphs.items():
+      val = evaluation.run(run.sess, graph, *split)
+      row.update({"val_loss" + suffix: val["loss"], "val_accuracy" + suffix: val["accuracy"],
+                  "val_error_percent" + suffix: val["error_percent"]})
+      if "at_least_one" in val:
+        row["val_at_least_one" + suffix] = val["at_least_one"]
+      add_scalars(run.writer, pos.step, {f"validation{suffix}/accuracy": val["accuracy"],
+                                         f"validation{suffix}/loss": val["loss"]})
+    print(f"epoch {row['epoch']}: validation accuracy {row['val_accuracy']:.4f} "
+          f"(error {row['val_error_percent']:.2f}%), loss {row['val_loss']:.4f}"
+          + (f"; averaged weights {row['val_accuracy_averaged']:.4f} (error "
+             f"{row['val_error_percent_averaged']:.2f}%)" if run.g.eval_averaged else "")
           + (f", {row['images_per_sec']} images/s" if "images_per_sec" in row else ""))
-    add_scalars(run.writer, pos.step, {"validation/accuracy": val["accuracy"],
-                                       "validation/loss": val["loss"]})
   # Compared as the checkpoint keeps it (float32), so that a resumed run
-  # decides as an uninterrupted one does.
-  accuracy = float(np.float32(val["accuracy"])) if len(val_y) else None
+  # decides as an uninterrupted one does; a tie goes to the raw weights.
+  accuracy, averaged = None, False
+  if len(val_y):
+    accuracy = float(np.float32(row["val_accuracy"]))
+    if run.g.eval_averaged:
+      accuracy_averaged = float(np.float32(row["val_accuracy_averaged"]))
+      averaged = accuracy_averaged > accuracy
+      accuracy = max(accuracy, accuracy_averaged)
   # The row first: a run killed before the best checkpoint is written
   # resumes from an earlier one, drops the row and writes it again.
   files.append_jsonl(os.path.join(run.s.logdir, "metrics.jsonl"), row)
   if not len(val_y) or accuracy > pos.best_val:
-    pos.best_val = accuracy if len(val_y) else pos.best_val
+    if len(val_y):
+      pos.best_val, pos.best_averaged = accuracy, averaged
     save(run, run.g.saver_best, "best", pos)
 
 
 def final_test(run):
-  """Scores the best checkpoint on the test set once: test_results.json."""
+  """Scores the best checkpoint on the test set once, with the weights that
+  won its validation (raw or averaged): test_results.json."""
   best = tf.train.latest_checkpoint(_folder(run.s, "best"))
   if best is None:
     print("No completed epoch yet: no best checkpoint to test")
     return
   restore(run.sess, run.g, best)
-  test = evaluation.run(run.sess, run.g.eval, *run.splits["test"])
+  averaged = run.g.state.load(run.sess).best_averaged
+  graph = run.g.eval_averaged if averaged else run.g.eval
+  test = evaluation.run(run.sess, graph, *run.splits["test"])
   result = dict(evaluation.summary(test), checkpoint=best, split="test")
+  if run.g.eval_averaged:
+    result["weights"] = "averaged" if averaged else "raw"
   files.write_json(os.path.join(run.s.logdir, "test_results.json"), result)
-  print(f"test ({best}): accuracy {test['accuracy']:.4f}, error "
-        f"{test['error_percent']:.2f}% on {test['count']} images")
+  print(f"test ({best}{', averaged weights' if averaged else ''}): accuracy "
+        f"{test['accuracy']:.4f}, error {test['error_percent']:.2f}% on "
+        f"{test['count']} images")
 
 
 def add_scalars(writer, step, values):

@@ -3,7 +3,8 @@
   python -m capsnet.pretrained --run=$HOME/table1/r3_recon_seed0 --out=pretrained/r3_recon
 
 Writes <out>/best/model.ckpt-<step> (the `capsnet/` variables in float32: no
-optimizer slots, no run state) and <out>/config.json (the run's config with
+optimizer slots, no run state; the averaged weights under the variables' own
+names where the run chose them) and <out>/config.json (the run's config with
 precision fp32, plus where the weights came from and the precision they were
 trained in), so that `python eval.py --checkpoint <out>` scores them like any
 run.
@@ -46,12 +47,15 @@ def ship(run, out):
     raise runs.RunError(f"--out={out}: exists; give a new folder")
   reader = tf.train.load_checkpoint(ckpt)
   names = sorted(n for n in reader.get_variable_to_shape_map()
-                 if n.startswith("capsnet/") and "Adam" not in n)
+                 if n.startswith("capsnet/") and "Adam" not in n
+                 and not n.endswith(runs.AVERAGE_SUFFIX))
+  weights = runs.chosen_weights(ckpt)   # the averages, if they won validation
+  source = {n: n + (runs.AVERAGE_SUFFIX if weights == "averaged" else "") for n in names}
   prefix = os.path.join(out, "best", f"model.ckpt-{runs.step_of(ckpt)}")
   os.makedirs(os.path.dirname(prefix))
   with tf.Graph().as_default(), tf.compat.v1.Session() as sess:
     variables = [tf.compat.v1.get_variable(
-        n, initializer=reader.get_tensor(n).astype(np.float32)) for n in names]
+        n, initializer=reader.get_tensor(source[n]).astype(np.float32)) for n in names]
     sess.run(tf.compat.v1.variables_initializer(variables))
     tf.compat.v1.train.Saver(variables, save_relative_paths=True).save(
         sess, prefix, write_meta_graph=False)
@@ -61,7 +65,7 @@ def ship(run, out):
   # every CPU (bfloat16 rounding differs between CPU kinds).
   saved["shipped_from"] = {"run": os.path.basename(os.path.normpath(run_dir)),
                            "checkpoint": os.path.relpath(ckpt, run_dir),
-                           "step": runs.step_of(ckpt),
+                           "step": runs.step_of(ckpt), "weights": weights,
                            "trained_precision": saved["model"]["precision"]}
   saved["model"]["precision"] = "fp32"
   files.write_json(os.path.join(out, "config.json"), saved)

@@ -46,14 +46,64 @@ def load_config(run_dir):
   return cfg, saved.get("train", {})
 
 
-def check_matches(ckpt, variables):
-  """Every model variable is in the checkpoint with the same shape."""
+# The name of a variable's exponential moving average (train.py --ema_decay).
+AVERAGE_SUFFIX = "/ExponentialMovingAverage"
+WEIGHTS = ("auto", "raw", "averaged")
+
+
+def chosen_weights(ckpt):
+  """"averaged" if the run chose the averaged weights for this checkpoint
+  (its `state/best_averaged`: they won the validation), else "raw"."""
   try:
-    saved = dict(tf.train.list_variables(ckpt))
+    reader = tf.train.load_checkpoint(ckpt)
+    if reader.has_tensor("state/best_averaged"):
+      return "averaged" if reader.get_tensor("state/best_averaged") else "raw"
   except (tf.errors.OpError, ValueError) as e:
     raise RunError(f"{ckpt}: unreadable checkpoint ({e.__class__.__name__})") from None
-  for var in variables:
-    name, shape = var.op.name, var.shape.as_list()
+  return "raw"
+
+
+def model_saver(ckpt, variables, weights="auto"):
+  """A Saver that restores the model `variables` from `ckpt`, checked first.
+
+  Args:
+    weights: "raw", "averaged" (each variable from its moving average), or
+      "auto": what the run chose (`chosen_weights`).
+  Returns: (the Saver, "raw" or "averaged").
+  Raises: RunError for a checkpoint that does not fit, or averaged weights
+    asked of a run without them.
+  """
+  if weights not in WEIGHTS:
+    raise RunError(f"--weights={weights}: expected one of {WEIGHTS}")
+  if weights == "auto":
+    weights = chosen_weights(ckpt)
+  suffix = AVERAGE_SUFFIX if weights == "averaged" else ""
+  names = {v.op.name + suffix: v for v in variables}
+  if suffix and not any(n.endswith(suffix) for n, _ in _list(ckpt)):
+    raise RunError(f"{ckpt}: --weights=averaged, but the run kept no averaged "
+                   "weights (it trained without --ema_decay)")
+  check_matches(ckpt, names)
+  return tf.compat.v1.train.Saver(names), weights
+
+
+def _list(ckpt):
+  try:
+    return tf.train.list_variables(ckpt)
+  except (tf.errors.OpError, ValueError) as e:
+    raise RunError(f"{ckpt}: unreadable checkpoint ({e.__class__.__name__})") from None
+
+
+def check_matches(ckpt, variables):
+  """Every model variable is in the checkpoint with the same shape.
+
+  Args:
+    variables: a list of variables, or a dict checkpoint name -> variable.
+  """
+  if not isinstance(variables, dict):
+    variables = {v.op.name: v for v in variables}
+  saved = dict(_list(ckpt))
+  for name, var in variables.items():
+    shape = var.shape.as_list()
     if name not in saved:
       raise RunError(f"{ckpt}: checkpoint of another architecture: no variable {name}")
     if list(saved[name]) != shape:

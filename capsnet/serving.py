@@ -31,15 +31,16 @@ def _graph(cfg):
   return images, outputs, out.couplings
 
 
-def _restore(sess, ckpt):
-  """Restores the model's variables; RunError for another architecture."""
-  variables = tf.compat.v1.global_variables()
-  runs.check_matches(ckpt, variables)
-  tf.compat.v1.train.Saver(variables).restore(sess, ckpt)
+def _restore(sess, ckpt, weights="auto"):
+  """Restores the model's variables (the weights the run chose, raw or
+  averaged, by default); RunError for another architecture."""
+  saver, _ = runs.model_saver(ckpt, tf.compat.v1.global_variables(), weights)
+  saver.restore(sess, ckpt)
 
 
-def classify(cfg, ckpt, images):
-  """Runs the model on uint8 `images [N, H, W, C]`.
+def classify(cfg, ckpt, images, weights="auto"):
+  """Runs the model on uint8 `images [N, H, W, C]` (`weights`: see
+  `runs.model_saver`).
 
   Returns: dict of NumPy arrays: classes `[N]`, lengths `[N, classes]`,
     reconstructions `[N, pixels]` (with the decoder), couplings
@@ -49,11 +50,11 @@ def classify(cfg, ckpt, images):
     images_in, outputs, couplings = _graph(cfg)
     outputs["couplings"] = tf.stack(couplings, axis=1)
     with tf.compat.v1.Session() as sess:
-      _restore(sess, ckpt)
+      _restore(sess, ckpt, weights)
       return sess.run(outputs, {images_in: images})
 
 
-def export(cfg, ckpt, folder):
+def export(cfg, ckpt, folder, weights="auto"):
   """Writes a SavedModel (signature `serving_default`) of the checkpoint.
 
   Raises: RunError if `folder` exists or the checkpoint does not fit.
@@ -63,7 +64,7 @@ def export(cfg, ckpt, folder):
   with tf.Graph().as_default():
     images, outputs, _ = _graph(cfg)
     with tf.compat.v1.Session() as sess:
-      _restore(sess, ckpt)
+      _restore(sess, ckpt, weights)
       signature = tf.compat.v1.saved_model.predict_signature_def(
           inputs={"images": images}, outputs=outputs)
       builder = tf.compat.v1.saved_model.Builder(folder)

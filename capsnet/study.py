@@ -47,6 +47,9 @@ from capsnet import stats
 
 # train.py's learning-rate decay period; runs with another one get a tag.
 DEFAULT_DECAY_STEPS = 2000
+# Weight averaging of the variants that use it: a time constant of 1,000
+# steps, about 2.3 epochs of 429 steps.
+EMA_DECAY = 0.999
 
 GRIDS = {   # grid: {variant: the train.py flags that make it}
     "stop_gradient": {
@@ -62,6 +65,13 @@ GRIDS = {   # grid: {variant: the train.py flags that make it}
         "r3_norecon": dict(iter_routing=3, stop_gradient=True, use_decoder=False),
         "r3_recon": dict(iter_routing=3, stop_gradient=True, use_decoder=True),
         "r3_recon_nostop": dict(iter_routing=3, stop_gradient=False, use_decoder=True),
+        # Issue 24: the official code's loss balance (reconstruction 0.01 against
+        # the summed margin loss), then also its layers; both average weights.
+        "r3_recon_balance": dict(iter_routing=3, stop_gradient=True, use_decoder=True,
+                                 recon_weight=0.01, ema_decay=EMA_DECAY),
+        "r3_recon_official": dict(iter_routing=3, stop_gradient=True, use_decoder=True,
+                                  recon_weight=0.01, capsule_layers="official",
+                                  ema_decay=EMA_DECAY),
     },
     "multimnist": {   # Section 6: an epoch is 55,000 pairs drawn on the fly
         "r3_recon": dict(iter_routing=3, stop_gradient=True, use_decoder=True,
@@ -162,7 +172,9 @@ def describe_run(folder, epochs):
   config = read_json(os.path.join(folder, "config.json"), {})
   model, batch = config.get("model", {}), config.get("train", {}).get("batch_size")
   val = [m for m in metrics if "val_error_percent" in m]
-  epoch_val = [m["val_error_percent"] for m in epoch_rows if "val_error_percent" in m]
+  weights = _better_weights(epoch_rows)
+  key = "val_error_percent" + ("_averaged" if weights == "averaged" else "")
+  epoch_val = [m[key] for m in epoch_rows if key in m]
   diags = read_jsonl(os.path.join(folder, "diagnostics.jsonl"))
   wall = sum(m["wall_s"] for m in epoch_rows if "wall_s" in m)
   return {
@@ -174,7 +186,9 @@ def describe_run(folder, epochs):
       "test_errors_count": (round(test["error_percent"] * test["count"] / 100)
                             if "count" in test else None),
       "test_at_least_one": test.get("at_least_one"),   # MultiMNIST only
-      "best_val_error": min((m["val_error_percent"] for m in val), default=None),
+      "best_val_error": min((m[key] for m in val if key in m), default=None),
+      "val_weights": weights,            # whose validation figures these are
+      "test_weights": test.get("weights", "raw"),
       "last_val_error": (statistics.mean(epoch_val[-LAST_EPOCHS:])
                          if complete and len(epoch_val) >= LAST_EPOCHS else None),
       "routing": read_json(os.path.join(folder, "routing.json")) if complete else None,
@@ -188,6 +202,19 @@ def describe_run(folder, epochs):
       "diag": {key: (diags[0][key], diags[-1][key]) if diags else (None, None)
                for key in ("digit_caps/weights", "conv1/weights")},
   }
+
+
+def _better_weights(rows):
+  """"averaged" if a run with weight averaging reached its lowest validation
+  error with the averaged weights (a tie: the lower mean of the last 10
+  epochs; then raw), else "raw"."""
+  if not any("val_error_percent_averaged" in m for m in rows):
+    return "raw"
+  def figures(key):
+    errors = [m[key] for m in rows if key in m]
+    return (min(errors), statistics.mean(errors[-LAST_EPOCHS:]))
+  return ("averaged" if figures("val_error_percent_averaged")
+          < figures("val_error_percent") else "raw")
 
 
 def summarize(out, grid, variants, seeds, epochs, schedules=(DEFAULT_DECAY_STEPS,)):

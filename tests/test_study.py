@@ -93,7 +93,13 @@ def test_multimnist_table_and_curve_by_pairs_seen(tmp_path):
 def test_table1_grid_commands_and_schedules(tmp_path):
   grid = study.GRIDS["table1"]
   assert sorted(grid) == ["r1_norecon", "r1_recon", "r3_norecon", "r3_recon",
-                          "r3_recon_nostop"]
+                          "r3_recon_balance", "r3_recon_nostop", "r3_recon_official"]
+  # Issue 24's runs (f) and (g): the official loss balance, then its layers.
+  cmd = study.train_command(grid["r3_recon_official"], 0, "/f", dict(
+      epochs=50, precision="bf16", decay_steps=2000, diag_every=100, val_every=0), [])
+  assert cmd[2:8] == ["--iter_routing=3", "--stop_gradient=True", "--use_decoder=True",
+                      "--recon_weight=0.01", "--capsule_layers=official",
+                      "--ema_decay=0.999"]
   settings = dict(epochs=50, precision="bf16", decay_steps=143, diag_every=100,
                   val_every=0)
   folder = study.run_dir("/runs", "r3_recon_nostop", 1, 143)
@@ -181,7 +187,8 @@ def test_study_flag_errors(tmp_path):
       "['r1', 'r2_stop', 'r2_nostop', 'r3_stop', 'r3_nostop']")
   assert last_error("--grid=table1", "--variants=r3_stop") == (
       "study: error: --variants: ['r3_stop'] not in the table1 grid "
-      "['r1_norecon', 'r1_recon', 'r3_norecon', 'r3_recon', 'r3_recon_nostop']")
+      "['r1_norecon', 'r1_recon', 'r3_norecon', 'r3_recon', 'r3_recon_nostop', "
+      "'r3_recon_balance', 'r3_recon_official']")
   assert last_error("--decay_steps=2000,x") == (
       "study: error: --decay_steps=2000,x: expected positive integers")
 
@@ -287,3 +294,21 @@ def test_routing_summary_counts_changed_predictions(tmp_path):
   assert study._read_predictions(str(path)) == ([3, 5], [3, 2])
   with pytest.raises(ValueError, match="different images"):
     study.routing_summary(own, (other[0], ([1, 1, 2, 3, 4], [0, 7, 2, 8, 4])))
+
+
+def test_averaged_weights_figures(tmp_path):
+  """A run with weight averaging: the figures are the better weights'."""
+  folder = study.run_dir(str(tmp_path), "r3_recon_balance", 0)
+  fake_run(folder, 0.3, [1.0] * 12, [0.1], epochs=12, every_epoch=True)
+  path = os.path.join(folder, "metrics.jsonl")
+  rows = [json.loads(l) for l in open(path)]
+  for k, r in enumerate(rows):
+    r["val_error_percent_averaged"] = 0.9 if k == 5 else 1.1
+  open(path, "w").write("".join(json.dumps(r) + "\n" for r in rows))
+  run = study.describe_run(folder, 12)
+  assert run["val_weights"] == "averaged" and run["best_val_error"] == 0.9
+  np.testing.assert_allclose(run["last_val_error"], (9 * 1.1 + 0.9) / 10)  # averaged too
+  assert study._better_weights(rows[:5]) == "raw"   # 1.0 against 1.1
+  for r in rows:
+    r["val_error_percent_averaged"] = 1.0 if r is rows[0] else 2.0
+  assert study._better_weights(rows) == "raw"       # a tie: the later epochs

@@ -127,6 +127,23 @@ def test_refuses_logdir_of_another_architecture(run_dir):
 
 
 @needs_mnist
+def test_config_without_a_newer_field_reads_as_its_default(run_dir, tmp_path):
+  """A run started before a model field existed (capsule_layers) resumes as
+  the field's default, and refuses another value."""
+  logdir = str(tmp_path / "old")
+  shutil.copytree(run_dir[0], logdir)
+  path = os.path.join(logdir, "config.json")
+  saved = json.load(open(path))
+  del saved["model"]["capsule_layers"]
+  open(path, "w").write(json.dumps(saved))
+  proc = train_here(*SMALL, "--capsule_layers=official", f"--logdir={logdir}")
+  assert proc.returncode != 0
+  assert last_line(proc) == (
+      f"train.py: error: {path} has capsule_layers='paper', the flags give "
+      "'official': use another --logdir or the same value")
+
+
+@needs_mnist
 def test_nan_loss_stops_without_touching_checkpoints(run_dir, tmp_path):
   logdir = str(tmp_path / "nan")
   shutil.copytree(run_dir[0], logdir)
