@@ -131,6 +131,9 @@ def define_train_flags():
   flags.DEFINE_integer("val_every", 0, "steps between extra validations inside "
                        "an epoch (0: only at epoch ends)", lower_bound=0)
   flags.DEFINE_bool("progress", True, "show a tqdm progress bar")
+  flags.DEFINE_bool("adopt_checkpoints", False, "resume the checkpoints of a logdir "
+                    "that has no config.json, with these flags (the variables' "
+                    "shapes are checked against the model)")
   define_cluster_flags()
 
 

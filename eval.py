@@ -4,8 +4,9 @@
   python eval.py --checkpoint logs/run --which=latest
   python eval.py --checkpoint logs/run/best/model.ckpt-21500 --iter_routing=5
 
-The graph is rebuilt from the run's config.json; --iter_routing overrides the
-number of routing iterations. Writes to --out_dir (default
+The graph is rebuilt from the run's config.json; --iter_routing, --precision
+and --dtype override the run's (a dtype the checkpoint does not hold is
+refused, naming the variable). Writes to --out_dir (default
 <logdir>/eval_<checkpoint name>): results.json, predictions.csv,
 reconstructions.png (inputs beside their reconstructions) and figure4.png
 (each of the 16 dimensions of the predicted capsule perturbed over
@@ -57,6 +58,8 @@ class Settings:
   which: str
   weights: str              # auto (the run's choice), raw or averaged
   iter_routing: int         # None: the run's own
+  precision: str            # None: the run's own
+  dtype: str                # None: the run's own
   split: str
   batch_size: int
   out_dir: str              # None: <run>/eval_<checkpoint>_r<r>_<split>
@@ -81,6 +84,10 @@ def define_flags(fv=flags.FLAGS):
   flags.DEFINE_enum("weights", "auto", ["auto", "raw", "averaged"], "the raw "
                     "weights, their moving average (runs with --ema_decay), or "
                     "auto: those that won the run's validation", flag_values=fv)
+  flags.DEFINE_enum("precision", None, ["fp32", "bf16"], "override the run's "
+                    "precision (e.g. score bf16-trained weights in fp32)", flag_values=fv)
+  flags.DEFINE_enum("dtype", None, ["float32", "float64"], "override the run's "
+                    "variable dtype (must be the checkpoint's)", flag_values=fv)
   flags.DEFINE_integer("iter_routing", None, "override routing iterations",
                        lower_bound=1, flag_values=fv)
   flags.DEFINE_enum("split", "test", ["test", "validation"], "split to score",
@@ -117,8 +124,9 @@ def main(argv, fv=flags.FLAGS):
                           "--images)")
     ckpt, run_dir = runs.resolve(s.checkpoint, s.which)
     cfg, train_settings = runs.load_config(run_dir)
-    if s.iter_routing:
-      cfg = dataclasses.replace(cfg, iter_routing=s.iter_routing)
+    overrides = {k: getattr(s, k) for k in ("iter_routing", "precision", "dtype")
+                 if getattr(s, k)}
+    cfg = dataclasses.replace(cfg, **overrides)
     reason = runs.damage(ckpt)
     if reason:
       raise runs.RunError(f"{ckpt}: damaged checkpoint ({reason})")

@@ -102,6 +102,7 @@ class Settings:
   diag_every: int           # 0: off
   val_every: int            # 0: epoch ends only
   progress: bool
+  adopt_checkpoints: bool   # resume checkpoints that have no config.json
   cluster: cluster.ClusterInfo   # None: one process
   workers: int              # workers training together (1: one process)
   sync: bool                # a cluster's updates: synchronous
@@ -175,9 +176,10 @@ def load_splits(s, cfg):
 
 
 def check_logdir(logdir, cfg, s):
-  """Refuses a logdir that is a file, cannot be written, or whose
-  config.json disagrees with `cfg` or the settings (but for
-  RESUMABLE_CHANGES and RESUMABLE_SETTINGS). Writes nothing.
+  """Refuses a logdir that is a file, cannot be written, has checkpoints but
+  no config.json (unless --adopt_checkpoints), or whose config.json
+  disagrees with `cfg` or the settings (but for RESUMABLE_CHANGES and
+  RESUMABLE_SETTINGS). Writes nothing.
 
   Raises: ValueError naming the path, or the file and the first differing
   field.
@@ -185,6 +187,14 @@ def check_logdir(logdir, cfg, s):
   _check_writable(logdir)
   path = os.path.join(logdir, "config.json")
   if not os.path.exists(path):
+    found = [p for which in ("latest", "best")
+             for p in runs.checkpoints_in(os.path.join(logdir, which))]
+    if found and not s.adopt_checkpoints:
+      raise ValueError(
+          f"{logdir} has checkpoints ({os.path.relpath(found[-1], logdir)}) but no "
+          "config.json, so the settings they were trained with cannot be checked: "
+          "restore config.json, or pass --adopt_checkpoints to resume them with "
+          "these flags (the variables' shapes are checked against the model)")
     return
   try:
     with open(path) as f:
@@ -446,35 +456,71 @@ def session_config(devices, log_device_placement=False):
 # --------------------------------------------------------------------------
 # The loop
 
+# The signals that stop a run with a checkpoint: Ctrl-C, and what a machine
+# sends (SIGTERM: kill, a batch scheduler's preemption, docker stop, a
+# Kubernetes eviction, systemd; SIGHUP: a closed terminal).
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class Quit(KeyboardInterrupt):
+  """A second stop signal: quit at once, without a checkpoint (a
+  KeyboardInterrupt, so that no `except Exception` on the way catches it)."""
+
+  def __init__(self, signum):
+    super().__init__(signal.Signals(signum).name)
+    self.signum = signum
+
+
 class StopRequest:
-  """Ctrl-C once: stop after this step and save. Twice: quit at once, but
-  never in the middle of writing a checkpoint (it finishes first)."""
+  """A stop signal once: stop after this step and save, then exit with
+  128 + its number. Twice: quit at once, but never in the middle of writing
+  a checkpoint (it finishes first)."""
 
   def __init__(self):
     self.requested = False
+    self.signum = None
     self.saving = False
-    self.quit_after_save = False
+    self.quit_after_save = None
+
+  @property
+  def exit_status(self):
+    return 128 + self.signum
 
   def __call__(self, signum, frame):
     if self.requested and self.saving:
-      self.quit_after_save = True
+      self.quit_after_save = signum
     elif self.requested:
-      raise KeyboardInterrupt
+      raise Quit(signum)
     else:
-      self.requested = True
-      tqdm.tqdm.write("Interrupted: saving a checkpoint at the end of this step "
-                      "(Ctrl-C again to quit without saving)")
+      self.requested, self.signum = True, signum
+      tqdm.tqdm.write(f"{signal.Signals(signum).name}: saving a checkpoint at the end "
+                      "of this step (Ctrl-C again to quit without saving)")
 
   @contextlib.contextmanager
   def deferred(self):
-    """A second Ctrl-C inside waits until the block is done."""
+    """A second signal inside waits until the block is done."""
     self.saving = True
     try:
       yield
     finally:
       self.saving = False
-    if self.quit_after_save:
-      raise KeyboardInterrupt
+    if self.quit_after_save is not None:
+      raise Quit(self.quit_after_save)
+
+  @contextlib.contextmanager
+  def installed(self):
+    """Handles `STOP_SIGNALS` inside (the previous handlers back after)."""
+    previous = {sig: signal.signal(sig, self) for sig in STOP_SIGNALS}
+    try:
+      yield self
+    finally:
+      for sig, handler in previous.items():
+        signal.signal(sig, handler)
+
+
+def _ignore_stop_signals():
+  for sig in STOP_SIGNALS:
+    signal.signal(sig, signal.SIG_IGN)
 
 
 # What one call of `train` works with.
@@ -496,29 +542,46 @@ def main(argv):
       why = distributed.serve_ps(s.cluster)
       print(f"train.py: ps task {s.cluster.index} ends: {why}")
       return
-    devices = tower_devices(s.device, s.num_gpus)
+  except ValueError as e:   # ModelConfig and cluster errors
+    sys.exit(f"train.py: error: {e}")
+  run_lock = None   # this process's hold on the logdir (the chief's)
+  try:
     if cluster.is_chief(s.cluster):   # the only process that writes the logdir
+      _check_writable(s.logdir)
+      run_lock = runs.lock(s.logdir)   # before reading anything there
       check_logdir(s.logdir, cfg, s)
     splits = load_splits(s, cfg)
-  except ValueError as e:   # DataError is a ValueError
+  except ValueError as e:   # DataError and RunError are ValueErrors
+    if run_lock:   # a run that does not start leaves nothing
+      run_lock.release(undo=True)
     sys.exit(f"train.py: error: {e}")
+  try:
+    run_training(cfg, s, tower_devices(s.device, s.num_gpus), splits)
+  finally:
+    if run_lock:
+      run_lock.release()
+
+
+def run_training(cfg, s, devices, splits):
+  """`train`, with its errors as one line and its exit statuses."""
   try:
     train(cfg, s, devices, splits)
   except (TrainingError, runs.RunError, cluster.ClusterError) as e:
     sys.exit(f"train.py: error: {e}")
   except OSError as e:
     sys.exit(f"train.py: error: {e.filename or s.logdir}: {e.strerror or e}")
-  except KeyboardInterrupt:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    print(f"Interrupted again: quit without saving; the last checkpoint is "
-          f"{tf.train.latest_checkpoint(_folder(s, 'latest'))}", file=sys.stderr)
+  except Quit as e:
+    _ignore_stop_signals()
+    print(f"{signal.Signals(e.signum).name} again: quit without saving; the last "
+          f"checkpoint is {tf.train.latest_checkpoint(_folder(s, 'latest'))}",
+          file=sys.stderr)
     sys.stdout.flush()
     sys.stderr.flush()
     # At once: interpreter shutdown with TensorFlow's input threads still
     # running can abort the process ("exception not rethrown").
-    os._exit(130)
-  except SystemExit:   # stopped by Ctrl-C and saved: a later Ctrl-C changes nothing
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    os._exit(128 + e.signum)
+  except SystemExit:   # stopped by a signal and saved: a later one changes nothing
+    _ignore_stop_signals()
     raise
 
 
@@ -526,7 +589,8 @@ def train(cfg, s, devices, splits):
   """Trains until --epochs or --max_steps, then tests the best checkpoint.
 
   Writes config.json once the graph is built and the session restored or
-  initialised. Exits with status 130 after a Ctrl-C, once the checkpoint is
+  initialised. Exits with status 128 + the signal's number after a stop
+  signal (Ctrl-C: 130, SIGTERM: 143, SIGHUP: 129), once the checkpoint is
   saved. On a cluster only the chief restores, validates, saves and writes.
   """
   if s.dataset == "multimnist":   # fixed pairs: the first 32 of validation
@@ -540,9 +604,8 @@ def train(cfg, s, devices, splits):
   g = build_graph(cfg, s, devices, fixed_batch)
   chief = cluster.is_chief(s.cluster)
   stop, runner = StopRequest(), None
-  previous_handler = signal.signal(signal.SIGINT, stop)
   try:
-    with open_session(g, s, devices, server) as sess:
+    with stop.installed(), open_session(g, s, devices, server) as sess:
       pos, resumed = restore_or_init(sess, g, s) if chief else (g.state.load(sess), True)
       if s.cluster and chief:
         runner = distributed.start_chief(sess, g.cluster)
@@ -554,13 +617,12 @@ def train(cfg, s, devices, splits):
         if stop.requested:
           print(f"Saved {tf.train.latest_checkpoint(_folder(s, 'latest'))}; run "
                 f"again with --logdir={s.logdir} to resume")
-          sys.exit(130)
+          sys.exit(stop.exit_status)
         if chief:
           final_test(run)
       if s.cluster and chief:
         distributed.stop_chief(sess, g.cluster, runner)
   finally:
-    signal.signal(signal.SIGINT, previous_handler)
     distributed.join_chief(runner)
 
 
@@ -630,7 +692,8 @@ def restore_or_init(sess, g, s):
   logdir without checkpoints, initialises the variables.
 
   A damaged checkpoint (missing or truncated file, bad checksum) is passed
-  over, saying so. Rows of metrics.jsonl and diagnostics.jsonl written after
+  over, saying so; its files stay, and its folder's `checkpoint` index is
+  rewritten to list the intact ones only. Rows of metrics.jsonl and diagnostics.jsonl written after
   the restored step are dropped: the run writes them again.
   Returns: (the run's `Position`, whether a checkpoint was restored).
   Raises: runs.RunError if there are checkpoints but none is intact.
@@ -653,6 +716,8 @@ def restore_or_init(sess, g, s):
     kept = [p for p in runs.checkpoints_in(folder) if runs.step_of(p) <= pos.step
             and p not in dict(damaged)]
     saver.recover_last_checkpoints(kept)   # so that it deletes them in turn
+    if any(os.path.dirname(p) == folder for p, _ in damaged):
+      runs.relist(folder, kept)   # the index lists intact checkpoints only
   _drop_rows_after(s.logdir, pos.step)
   return pos, True
 
@@ -660,6 +725,8 @@ def restore_or_init(sess, g, s):
 def restore(sess, g, ckpt):
   """Restores every variable; state a checkpoint lacks (written before that
   state existed) starts at its default."""
+  runs.check_matches(ckpt, [v for v in g.graph.get_collection(
+      tf.compat.v1.GraphKeys.TRAINABLE_VARIABLES)])
   names = set(tf.train.load_checkpoint(ckpt).get_variable_to_shape_map())
   if all(v.op.name in names for v in g.state.optional):
     g.saver_latest.restore(sess, ckpt)

@@ -283,9 +283,9 @@ def _matmul_peak(dtype_name, n, queue, reps=10):
 
 
 def _child_tensorflow():
-  """TensorFlow in a child as train.py imports it (`startup`: no Keras),
-  in graph mode."""
-  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+  """TensorFlow in a child as train.py imports it (`startup`: no Keras and,
+  unless the user set TF_CPP_MIN_LOG_LEVEL, no start-up notices), in graph
+  mode."""
   startup.import_tensorflow()
   import tensorflow as tf
   tf.compat.v1.disable_eager_execution()

@@ -178,13 +178,14 @@ def launch(num_ps, workers, train_args, grace_secs=30):
   chief = procs[("worker", 0)]
   interrupted = []
 
-  def on_sigint(signum, frame):
+  def on_stop(signum, frame):   # Ctrl-C, SIGTERM (preemption), SIGHUP
     interrupted.append(True)
     if len(interrupted) == 1:
-      chief.send_signal(signal.SIGINT)   # the chief saves, then ends
+      chief.send_signal(signum)   # the chief saves, then ends
     else:
       _end(procs.values(), 0)
-  previous = signal.signal(signal.SIGINT, on_sigint)
+  stop_signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+  previous = {sig: signal.signal(sig, on_stop) for sig in stop_signals}
   try:
     while chief.poll() is None:
       failed = [(k, p.returncode) for k, p in procs.items()
@@ -198,7 +199,8 @@ def launch(num_ps, workers, train_args, grace_secs=30):
       time.sleep(0.2)
     _end(procs.values(), grace_secs)
   finally:
-    signal.signal(signal.SIGINT, previous)
+    for sig, handler in previous.items():
+      signal.signal(sig, handler)
     for f in files:
       f.close()
   return chief.returncode

@@ -2,16 +2,74 @@
 checkpoint a path names, the config.json that rebuilds its graph, and whether
 the checkpoint fits that graph.
 """
+import datetime
+import fcntl
 import json
 import os
+import socket
 
 import tensorflow as tf
 
+from capsnet import files
 from capsnet import model
 
 
 class RunError(ValueError):
   """A run folder or checkpoint that cannot be used; the message names it."""
+
+
+LOCK_FILE = "train.lock"
+
+
+class RunLock:
+  """This process as the one writer of a run folder (see `lock`)."""
+
+  def __init__(self, logdir):
+    self.logdir = logdir
+    self.created = not os.path.exists(logdir)
+    os.makedirs(logdir, exist_ok=True)
+    self.path = os.path.join(logdir, LOCK_FILE)
+    self._file = open(self.path, "a+")
+    try:
+      fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      self._file.seek(0)
+      holder = self._file.read().strip() or "another process"
+      self._file.close()
+      raise RunError(f"--logdir={logdir} is in use by {holder}: one trainer a run "
+                     "folder; wait for it to end or stop it (it saves on SIGTERM)") from None
+    self._file.seek(0)
+    self._file.truncate()
+    started = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+    self._file.write(f"pid {os.getpid()} on {socket.gethostname()}, started {started}\n")
+    self._file.flush()
+
+  def release(self, undo=False):
+    """Releases the lock (again: nothing). undo: a run that did not start
+    leaves nothing: the lock file goes, and the folder if this lock made it
+    and it is empty."""
+    if self._file.closed:
+      return
+    if undo:
+      os.remove(self.path)
+      if self.created and not os.listdir(self.logdir):
+        os.rmdir(self.logdir)
+    self._file.close()   # closing the file drops the flock
+
+
+def lock(logdir):
+  """Makes this process the one writer of `logdir`: an exclusive `flock` on
+  <logdir>/train.lock, held until `release` or the end of the process (the
+  OS drops it when the process dies, SIGKILL too, so nothing stale is left).
+  The file names the holder (pid, host, start time). Creates `logdir` if
+  needed.
+
+  Not a guard across machines: a folder on a network file system may not
+  honour the lock between hosts.
+  Returns: a `RunLock`.
+  Raises: RunError naming the folder and the holder if another process has it.
+  """
+  return RunLock(logdir)
 
 
 def resolve(path, which):
@@ -102,6 +160,7 @@ def check_matches(ckpt, variables):
   if not isinstance(variables, dict):
     variables = {v.op.name: v for v in variables}
   saved = dict(_list(ckpt))
+  dtypes = tf.train.load_checkpoint(ckpt).get_variable_to_dtype_map()
   for name, var in variables.items():
     shape = var.shape.as_list()
     if name not in saved:
@@ -109,6 +168,11 @@ def check_matches(ckpt, variables):
     if list(saved[name]) != shape:
       raise RunError(f"{ckpt}: checkpoint of another architecture: {name} is "
                      f"{list(saved[name])} in the checkpoint, {shape} in config.json")
+    dtype = var.dtype.base_dtype
+    if dtypes[name] != dtype:
+      raise RunError(f"{ckpt}: {name} is {dtypes[name].name} in the checkpoint, "
+                     f"{dtype.name} in the model (a --dtype or --precision that "
+                     "does not fit the run?)")
 
 
 def step_of(prefix):
@@ -160,6 +224,20 @@ def error_reason(error):
   lines = [l.strip() for l in message.splitlines()]
   lines = [l for l in lines if l and not l.startswith(frame)]
   return (lines[-1] if lines else type(error).__name__)[:200]
+
+
+def relist(folder, prefixes):
+  """Rewrites `folder`'s `checkpoint` index to list `prefixes` (oldest
+  first; the newest is the one `tf.train.latest_checkpoint` names), or
+  removes the index if none is left. The checkpoint files are not touched."""
+  index = os.path.join(folder, "checkpoint")
+  if not prefixes:
+    if os.path.exists(index):
+      os.remove(index)
+    return
+  names = [os.path.basename(p) for p in prefixes]   # relative, as the Savers write
+  files.atomic_write(index, f'model_checkpoint_path: "{names[-1]}"\n' + "".join(
+      f'all_model_checkpoint_paths: "{n}"\n' for n in names))
 
 
 def newest_intact(folders):

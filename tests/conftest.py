@@ -101,11 +101,13 @@ def start(script, *args, **popen_kwargs):
 
 
 def wait_until(condition, timeout=120, poll=0.05, proc=None):
-  """Polls `condition()` until it holds, `timeout` passes or `proc` ends."""
+  """Polls `condition()` until it holds, `timeout` passes or `proc` ends.
+  Returns: whether it holds (assert it: a timeout must not pass unnoticed)."""
   deadline = time.time() + timeout
   while not condition() and time.time() < deadline and (proc is None or
                                                            proc.poll() is None):
     time.sleep(poll)
+  return bool(condition())
 
 
 def last_line(proc):

@@ -43,14 +43,16 @@ def _settings(**changes):
                 decay_rate=0.96, seed=0, device="/cpu:0", num_gpus=1,
                 log_device_placement=False, save_every=5, summary_every=100,
                 diag_every=0, val_every=0, progress=False, cluster=None, workers=1,
-                sync=True, cluster_wait_secs=60, multimnist_shift=4)
+                sync=True, cluster_wait_secs=60, multimnist_shift=4, ema_decay=0.0,
+                adopt_checkpoints=False)
   return train.Settings(**dict(values, **changes))
 
 
 @pytest.mark.parametrize("field,value", [
     ("dataset", "fashion_mnist"), ("seed", 1), ("batch_size", 64), ("val_size", 0),
     ("train_size", 640), ("learning_rate", 0.01), ("decay_steps", 143),
-    ("decay_rate", 0.9), ("workers", 2), ("sync", False), ("multimnist_shift", 6)])
+    ("decay_rate", 0.9), ("workers", 2), ("sync", False), ("multimnist_shift", 6),
+    ("ema_decay", 0.999)])
 def test_other_training_settings_refused_on_resume(tmp_path, field, value):
   cfg = model.ModelConfig(**TINY_MODEL)
   s = _settings(logdir=str(tmp_path))

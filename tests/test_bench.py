@@ -53,8 +53,11 @@ def test_tiled_baseline_computes_the_same_capsules(tiny_cfg, iters, stop):
     np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
 
 
-def _bench(*args):
+def _bench(*args, quiet=True):
+  """quiet=False: TF_CPP_MIN_LOG_LEVEL unset, as a user's shell has it."""
   env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+  if not quiet:
+    del env["TF_CPP_MIN_LOG_LEVEL"]
   return subprocess.run([sys.executable, "-m", "capsnet.bench", *args], cwd=ROOT,
                         env=env, capture_output=True, text=True, timeout=600)
 
@@ -69,7 +72,8 @@ def test_cli_small_run_writes_json(tmp_path):
   """One round, tiny batch: the report's figures and how they relate."""
   path = tmp_path / "bench.json"
   proc = _bench("--batch_size=4", "--steps=1", "--warmup=0", "--rounds=1",
-                "--modes=infer", "--precision=fp32", "--peak_size=256", f"--json={path}")
+                "--modes=infer", "--precision=fp32", "--peak_size=256", f"--json={path}",
+                quiet=False)
   assert proc.returncode == 0, proc.stderr[-2000:]
   report = json.loads(path.read_text())
   assert report["settings"]["rounds"] == 1 and len(report["rounds"]) == 1
@@ -87,6 +91,11 @@ def test_cli_small_run_writes_json(tmp_path):
   assert report["ratios"]["infer_fp32_ours_over_tiled"] == pytest.approx(
       by["ours"] / by["tiled"])
   assert "median of 1 round(s)" in proc.stdout
+  # The children start quietly, as train.py and eval.py do: no TensorFlow
+  # C++ notices (I0000/W0000/E0000 lines, "WARNING: All log messages...").
+  noise = [l for l in proc.stderr.splitlines()
+           if l[:5] in ("I0000", "W0000", "E0000") or l.startswith("WARNING: All log")]
+  assert not noise, noise[:3]
 
 
 def test_summary_takes_medians_over_rounds():
