@@ -2,15 +2,10 @@
 
 Session-based (tf.compat.v1). The model runs on --device (GPU when present),
 the input pipeline on the CPU, soft placement lets the same graph run
-anywhere. Layout of --logdir:
-
-  config.json        model config + trainer settings; eval.py rebuilds from it
-  latest/            checkpoints every --save_every steps and each epoch end
-  best/              the checkpoint with the best validation accuracy
-  metrics.jsonl      one line per epoch (train and validation figures)
-  diagnostics.jsonl  gradient diagnostic (--diag_every)
-  events.out.*       TensorBoard summaries
-  test_results.json  the best checkpoint scored on the test set, at the end
+anywhere. --logdir is a run folder (`capsnet/runs.py` has its layout): the
+config, checkpoints in latest/ (every --save_every steps and each epoch end)
+and best/ (the best validation accuracy), the metrics and diagnostic rows,
+TensorBoard events and, at the end, the best checkpoint's test results.
 
 Re-running with the same --logdir resumes from latest/ (step, optimizer state,
 epoch, position in the epoch's data order).
@@ -22,11 +17,9 @@ epoch, end it (validate, save), and score the best checkpoint on the test set.
 import collections
 import contextlib
 import dataclasses
-import json
 import os
 import signal
 import sys
-import tempfile
 import time
 
 from capsnet import startup
@@ -42,7 +35,6 @@ import config  # noqa: E402
 from capsnet import cluster  # noqa: E402
 from capsnet import distributed  # noqa: E402
 from capsnet import evaluation  # noqa: E402
-from capsnet import files  # noqa: E402
 from capsnet import input as data  # noqa: E402
 from capsnet import model  # noqa: E402
 from capsnet import multimnist  # noqa: E402
@@ -184,66 +176,16 @@ def check_logdir(logdir, cfg, s):
   Raises: ValueError naming the path, or the file and the first differing
   field.
   """
-  _check_writable(logdir)
-  path = os.path.join(logdir, "config.json")
-  if not os.path.exists(path):
-    found = [p for which in ("latest", "best")
-             for p in runs.checkpoints_in(os.path.join(logdir, which))]
-    if found and not s.adopt_checkpoints:
-      raise ValueError(
-          f"{logdir} has checkpoints ({os.path.relpath(found[-1], logdir)}) but no "
-          "config.json, so the settings they were trained with cannot be checked: "
-          "restore config.json, or pass --adopt_checkpoints to resume them with "
-          "these flags (the variables' shapes are checked against the model)")
-    return
-  try:
-    with open(path) as f:
-      old = json.load(f)
-    old_model, old_train = old["model"], old.get("train", {})
-  except (OSError, ValueError, KeyError, TypeError) as e:
-    raise ValueError(f"{path}: not a valid config.json ({e})") from None
-  defaults = dataclasses.asdict(model.ModelConfig())   # fields added since
-  for field, value in dataclasses.asdict(cfg).items():
-    if field not in RESUMABLE_CHANGES:
-      _same(path, field, old_model.get(field, defaults[field]), value)
-  for field, value in s.recorded().items():
-    if field in RESUMABLE_SETTINGS:
-      continue
-    if field in old_train:
-      _same(path, field, old_train[field], value)
-    elif field in SETTING_DEFAULTS:
-      _same(path, field, SETTING_DEFAULTS[field], value)
-
-
-def _same(path, field, before, value):
-  before = tuple(before) if isinstance(before, list) else before
-  if before != value:
-    raise ValueError(f"{path} has {field}={before!r}, the flags give "
-                     f"{value!r}: use another --logdir or the same value")
-
-
-def _check_writable(logdir):
-  """The logdir, or the folder that would hold it, takes a file."""
-  if os.path.exists(logdir) and not os.path.isdir(logdir):
-    raise ValueError(f"--logdir={logdir}: is a file, expected a folder")
-  folder = logdir
-  while not os.path.exists(folder):
-    folder = os.path.dirname(os.path.abspath(folder))
-  if not os.path.isdir(folder):
-    raise ValueError(f"--logdir={logdir}: {folder} is a file, expected a folder")
-  try:
-    with tempfile.TemporaryFile(dir=folder):
-      pass
-  except OSError as e:
-    raise ValueError(f"--logdir={logdir}: cannot write in {folder} "
-                     f"({e.strerror})") from None
+  folder = runs.RunFolder(logdir)
+  folder.check_writable()
+  folder.check_resume(dataclasses.asdict(cfg), s.recorded(),
+                      may_change=RESUMABLE_CHANGES + RESUMABLE_SETTINGS,
+                      setting_defaults=SETTING_DEFAULTS, adopt=s.adopt_checkpoints)
 
 
 def write_config(logdir, cfg, s):
   """config.json: the model config and the recorded settings."""
-  os.makedirs(logdir, exist_ok=True)
-  files.write_json(os.path.join(logdir, "config.json"),
-                   {"model": dataclasses.asdict(cfg), "train": s.recorded()})
+  runs.RunFolder(logdir).write_config(dataclasses.asdict(cfg), s.recorded())
 
 
 # --------------------------------------------------------------------------
@@ -524,8 +466,8 @@ def _ignore_stop_signals():
 
 
 # What one call of `train` works with.
-Run = collections.namedtuple("Run", ["sess", "g", "s", "splits", "writer", "stop",
-                                     "chief"])
+Run = collections.namedtuple("Run", ["sess", "g", "s", "folder", "splits", "writer",
+                                     "stop", "chief"])
 
 
 def main(argv):
@@ -547,7 +489,7 @@ def main(argv):
   run_lock = None   # this process's hold on the logdir (the chief's)
   try:
     if cluster.is_chief(s.cluster):   # the only process that writes the logdir
-      _check_writable(s.logdir)
+      runs.RunFolder(s.logdir).check_writable()
       run_lock = runs.lock(s.logdir)   # before reading anything there
       check_logdir(s.logdir, cfg, s)
     splits = load_splits(s, cfg)
@@ -573,7 +515,7 @@ def run_training(cfg, s, devices, splits):
   except Quit as e:
     _ignore_stop_signals()
     print(f"{signal.Signals(e.signum).name} again: quit without saving; the last "
-          f"checkpoint is {tf.train.latest_checkpoint(_folder(s, 'latest'))}",
+          f"checkpoint is {runs.RunFolder(s.logdir).latest_checkpoint('latest')}",
           file=sys.stderr)
     sys.stdout.flush()
     sys.stderr.flush()
@@ -602,20 +544,21 @@ def train(cfg, s, devices, splits):
   if s.cluster:
     cluster.wait_for(s.cluster.spec["ps"], s.cluster_wait_secs, "ps")
   g = build_graph(cfg, s, devices, fixed_batch)
+  folder = runs.RunFolder(s.logdir)
   chief = cluster.is_chief(s.cluster)
   stop, runner = StopRequest(), None
   try:
     with stop.installed(), open_session(g, s, devices, server) as sess:
-      pos, resumed = restore_or_init(sess, g, s) if chief else (g.state.load(sess), True)
+      pos, resumed = restore_or_init(sess, g, folder) if chief else (g.state.load(sess), True)
       if s.cluster and chief:
         runner = distributed.start_chief(sess, g.cluster)
       writer = start_writing(g, s, cfg, pos, resumed) if chief else NullWriter()
       with contextlib.closing(writer):   # on every way out (files closed)
-        run = Run(sess, g, s, splits, writer, stop, chief)
+        run = Run(sess, g, s, folder, splits, writer, stop, chief)
         train_epochs(run, pos)
         writer.flush()
         if stop.requested:
-          print(f"Saved {tf.train.latest_checkpoint(_folder(s, 'latest'))}; run "
+          print(f"Saved {runs.RunFolder(s.logdir).latest_checkpoint('latest')}; run "
                 f"again with --logdir={s.logdir} to resume")
           sys.exit(stop.exit_status)
         if chief:
@@ -670,10 +613,6 @@ def train_epochs(run, pos):
     end_epoch(run, pos, stats)
 
 
-def _folder(s, which):
-  return os.path.join(s.logdir, which)
-
-
 def steps_per_epoch(run):
   """Steps an epoch: a step takes --batch_size examples from each worker."""
   return len(run.splits["train"][0]) // (run.s.batch_size * run.s.workers)
@@ -687,38 +626,38 @@ def out_of_steps(s, pos):
   return s.max_steps and pos.step >= s.max_steps
 
 
-def restore_or_init(sess, g, s):
+def restore_or_init(sess, g, folder):
   """Restores the newest intact checkpoint of latest/ (or best/), or, in a
   logdir without checkpoints, initialises the variables.
 
   A damaged checkpoint (missing or truncated file, bad checksum) is passed
   over, saying so; its files stay, and its folder's `checkpoint` index is
-  rewritten to list the intact ones only. Rows of metrics.jsonl and diagnostics.jsonl written after
-  the restored step are dropped: the run writes them again.
+  rewritten to list the intact ones only. Rows of metrics.jsonl and
+  diagnostics.jsonl written after the restored step are dropped: the run
+  writes them again.
   Returns: (the run's `Position`, whether a checkpoint was restored).
   Raises: runs.RunError if there are checkpoints but none is intact.
   """
-  folders = [_folder(s, "latest"), _folder(s, "best")]
-  ckpt, damaged = runs.newest_intact(folders)
+  ckpt, damaged = folder.newest_intact()
   for prefix, reason in damaged:
     print(f"{prefix}: damaged ({reason}); passed over")
   if ckpt is None and damaged:
-    raise runs.RunError(f"{s.logdir}: no intact checkpoint ({len(damaged)} damaged); "
-                        "move the logdir away to start again")
+    raise runs.RunError(f"{folder.path}: no intact checkpoint ({len(damaged)} "
+                        "damaged); move the logdir away to start again")
   if ckpt is None:   # (rows of an attempt killed before its first save go)
     sess.run(g.init)
-    _drop_rows_after(s.logdir, 0)
+    folder.drop_rows_after(0)
     return g.state.load(sess), False
   restore(sess, g, ckpt)
   print(f"Resuming from {ckpt}")
   pos = g.state.load(sess)
-  for saver, folder in zip((g.saver_latest, g.saver_best), folders):
-    kept = [p for p in runs.checkpoints_in(folder) if runs.step_of(p) <= pos.step
+  for saver, which in zip((g.saver_latest, g.saver_best), runs.CHECKPOINT_FOLDERS):
+    kept = [p for p in folder.checkpoints(which) if runs.step_of(p) <= pos.step
             and p not in dict(damaged)]
     saver.recover_last_checkpoints(kept)   # so that it deletes them in turn
-    if any(os.path.dirname(p) == folder for p, _ in damaged):
-      runs.relist(folder, kept)   # the index lists intact checkpoints only
-  _drop_rows_after(s.logdir, pos.step)
+    if any(os.path.dirname(p) == folder.checkpoint_folder(which) for p, _ in damaged):
+      runs.relist(folder.checkpoint_folder(which), kept)   # intact ones only
+  folder.drop_rows_after(pos.step)
   return pos, True
 
 
@@ -735,26 +674,13 @@ def restore(sess, g, ckpt):
     sess.run(g.init_optional)
 
 
-def _drop_rows_after(logdir, step):
-  """Drops the metrics and diagnostics rows of steps after `step`."""
-  for name in ("metrics.jsonl", "diagnostics.jsonl"):
-    path = os.path.join(logdir, name)
-    if not os.path.exists(path):
-      continue
-    with open(path) as f:
-      lines = [l for l in f if l.strip()]
-    kept = [l for l in lines if json.loads(l)["step"] <= step]
-    if len(kept) < len(lines):
-      files.atomic_write(path, "".join(kept))
-
-
 def save(run, saver, which, pos):
   """A checkpoint of `pos` into latest/ or best/; a second Ctrl-C waits.
 
   Raises: TrainingError if it cannot be written (e.g. a full disk); the
   checkpoints listed before stay listed and whole.
   """
-  folder = _folder(run.s, which)
+  folder = run.folder.checkpoint_folder(which)
   if run.s.cluster and run.s.sync:
     distributed.wait_for_global_step(run.sess, run.g.state.global_step, pos.step)
   try:
@@ -830,7 +756,7 @@ def train_step(run, pos, stats):
   if not np.isfinite(loss):
     raise TrainingError(
         f"loss is {loss} at step {pos.step}; stopped without saving, the last "
-        f"good checkpoint is {tf.train.latest_checkpoint(_folder(s, 'latest'))}")
+        f"good checkpoint is {runs.RunFolder(s.logdir).latest_checkpoint('latest')}")
   pos.examples += s.batch_size * s.workers
   pos.loss_sum += float(loss)
   pos.accuracy_sum += float(accuracy)
@@ -847,7 +773,7 @@ def train_step(run, pos, stats):
   if s.val_every and pos.step % s.val_every == 0 and pos.examples < images:
     t = time.time()
     validate(run, pos, {"epoch": round(pos.epoch + pos.examples / images, 3),
-                        "step": pos.step})
+                        "step": pos.step}, kind="validation")
     stats.val_seconds += time.time() - t
   if pos.step % s.save_every == 0 and pos.examples < images:
     save(run, g.saver_latest, "latest", pos)   # (end_epoch saves the last step)
@@ -869,11 +795,11 @@ def end_epoch(run, pos, stats):
   pos.epoch, pos.examples = pos.epoch + 1, 0
   pos.loss_sum, pos.accuracy_sum, pos.summed_steps = 0.0, 0.0, 0
   if run.chief:
-    validate(run, pos, row)
+    validate(run, pos, row, kind="epoch")
     save(run, run.g.saver_latest, "latest", pos)
 
 
-def validate(run, pos, row):
+def validate(run, pos, row, kind):
   """Scores the validation split into `row` (with weight averaging, also the
   averaged weights: the `*_averaged` keys), appends it to metrics.jsonl and
   saves the best checkpoint by the better of the two (without a validation
@@ -908,7 +834,7 @@ def validate(run, pos, row):
       accuracy = max(accuracy, accuracy_averaged)
   # The row first: a run killed before the best checkpoint is written
   # resumes from an earlier one, drops the row and writes it again.
-  files.append_jsonl(os.path.join(run.s.logdir, "metrics.jsonl"), row)
+  run.folder.append_metrics(row, kind)
   if not len(val_y) or accuracy > pos.best_val:
     if len(val_y):
       pos.best_val, pos.best_averaged = accuracy, averaged
@@ -918,7 +844,7 @@ def validate(run, pos, row):
 def final_test(run):
   """Scores the best checkpoint on the test set once, with the weights that
   won its validation (raw or averaged): test_results.json."""
-  best = tf.train.latest_checkpoint(_folder(run.s, "best"))
+  best = run.folder.latest_checkpoint("best")
   if best is None:
     print("No completed epoch yet: no best checkpoint to test")
     return
@@ -929,7 +855,7 @@ def final_test(run):
   result = dict(evaluation.summary(test), checkpoint=best, split="test")
   if run.g.eval_averaged:
     result["weights"] = "averaged" if averaged else "raw"
-  files.write_json(os.path.join(run.s.logdir, "test_results.json"), result)
+  run.folder.write_test_results(result)
   print(f"test ({best}{', averaged weights' if averaged else ''}): accuracy "
         f"{test['accuracy']:.4f}, error {test['error_percent']:.2f}% on "
         f"{test['count']} images")
@@ -948,7 +874,7 @@ def record_diagnostic(run, pos):
               {f"grad_through_routing/{k}": v for k, v in values.items()})
   row = {"step": pos.step, "epoch": round(pos.epoch + pos.examples / epoch_images(run), 3)}
   row.update(values)
-  files.append_jsonl(os.path.join(run.s.logdir, "diagnostics.jsonl"), row)
+  run.folder.append_diagnostic(row)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ TensorFlow's own convolution gradients.
 """
 import dataclasses
 import multiprocessing
-import os
 import resource
 import statistics
 import time

@@ -9,7 +9,6 @@ precision fp32, plus where the weights came from and the precision they were
 trained in), so that `python eval.py --checkpoint <out>` scores them like any
 run.
 """
-import json
 import os
 import sys
 
@@ -37,7 +36,6 @@ def ship(run, out):
   """
   import numpy as np
   import tensorflow as tf
-  from capsnet import files
   from capsnet import runs
   ckpt, run_dir = runs.resolve(run, "best")
   reason = runs.damage(ckpt)
@@ -59,16 +57,15 @@ def ship(run, out):
     sess.run(tf.compat.v1.variables_initializer(variables))
     tf.compat.v1.train.Saver(variables, save_relative_paths=True).save(
         sess, prefix, write_meta_graph=False)
-  with open(os.path.join(run_dir, "config.json")) as f:
-    saved = json.load(f)
+  saved = runs.RunFolder(run_dir).config()
   # float32 weights are evaluated in float32 by default: the same figures on
   # every CPU (bfloat16 rounding differs between CPU kinds).
-  saved["shipped_from"] = {"run": os.path.basename(os.path.normpath(run_dir)),
-                           "checkpoint": os.path.relpath(ckpt, run_dir),
-                           "step": runs.step_of(ckpt), "weights": weights,
-                           "trained_precision": saved["model"]["precision"]}
-  saved["model"]["precision"] = "fp32"
-  files.write_json(os.path.join(out, "config.json"), saved)
+  shipped_from = {"run": os.path.basename(os.path.normpath(run_dir)),
+                  "checkpoint": os.path.relpath(ckpt, run_dir),
+                  "step": runs.step_of(ckpt), "weights": weights,
+                  "trained_precision": saved["model"]["precision"]}
+  runs.RunFolder(out).write_config(dict(saved["model"], precision="fp32"),
+                                   saved.get("train", {}), shipped_from=shipped_from)
   return prefix
 
 

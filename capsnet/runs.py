@@ -1,21 +1,248 @@
-"""A training run's folder as eval.py (and other readers) find it: the
-checkpoint a path names, the config.json that rebuilds its graph, and whether
-the checkpoint fits that graph.
+"""A training run's folder: the one module that knows its layout.
+
+  config.json        the model config and the trainer settings ("model",
+                     "train"); eval.py rebuilds the graph from it
+  latest/, best/     checkpoints, each folder with its `checkpoint` index
+  metrics.jsonl      one row a validation: "kind" "epoch" (the epoch's end,
+                     with its training figures) or "validation" (inside an
+                     epoch, --val_every)
+  diagnostics.jsonl  the gradient diagnostic, one row a measurement
+  test_results.json  the best checkpoint scored on the test set, at the end
+  routing.json       how far routing moves the couplings (capsnet.study)
+  train.lock         held by the one trainer writing the folder
+
+`RunFolder` writes and reads all of it (train.py, eval.py, capsnet.study,
+capsnet.pretrained go through it); the functions below find the checkpoint a
+path names, check that a checkpoint fits a graph and tell an intact
+checkpoint from a damaged one. TensorFlow is imported where a checkpoint is
+read (`_tf`), so that reading a folder's rows (capsnet.study) starts fast.
 """
+import dataclasses
 import datetime
 import fcntl
 import json
 import os
 import socket
-
-import tensorflow as tf
+import tempfile
 
 from capsnet import files
-from capsnet import model
 
 
 class RunError(ValueError):
   """A run folder or checkpoint that cannot be used; the message names it."""
+
+
+CONFIG_FILE = "config.json"
+METRICS_FILE = "metrics.jsonl"
+DIAGNOSTICS_FILE = "diagnostics.jsonl"
+TEST_RESULTS_FILE = "test_results.json"
+ROUTING_FILE = "routing.json"
+# What a study publishes of a run (never its checkpoints).
+SMALL_FILES = (CONFIG_FILE, METRICS_FILE, DIAGNOSTICS_FILE, TEST_RESULTS_FILE,
+               ROUTING_FILE)
+CHECKPOINT_FOLDERS = ("latest", "best")
+
+
+def _tf():
+  """TensorFlow, imported on first use (see the module docstring)."""
+  import tensorflow as tf   # pylint: disable=import-outside-toplevel
+  return tf
+
+
+def _model():
+  from capsnet import model   # pylint: disable=import-outside-toplevel
+  return model
+
+
+def _read_json(path, default=None):
+  if not os.path.exists(path):
+    return default
+  with open(path) as f:
+    return json.load(f)
+
+
+def _read_jsonl(path):
+  if not os.path.exists(path):
+    return []
+  with open(path) as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+class RunFolder:
+  """One run's folder (see the module docstring for its layout)."""
+
+  def __init__(self, path):
+    self.path = path
+
+  def file(self, name):
+    return os.path.join(self.path, name)
+
+  def checkpoint_folder(self, which):
+    """latest/ or best/."""
+    return os.path.join(self.path, which)
+
+  # -- config.json
+
+  def config(self):
+    """config.json as a dict, or None if there is none.
+    Raises: RunError for a file that is not a config.json."""
+    path = self.file(CONFIG_FILE)
+    try:
+      saved = _read_json(path)
+      if saved is not None and not isinstance(saved.get("model"), dict):
+        raise KeyError("model")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+      raise RunError(f"{path}: not a valid config.json ({e})") from None
+    return saved
+
+  def write_config(self, model_fields, settings, **extra):
+    """config.json: {"model": ..., "train": ..., **extra}."""
+    os.makedirs(self.path, exist_ok=True)
+    files.write_json(self.file(CONFIG_FILE),
+                     {"model": model_fields, "train": settings, **extra})
+
+  def load_config(self):
+    """(ModelConfig, trainer settings dict) from config.json."""
+    saved = self.config()
+    if saved is None:
+      raise RunError(f"{self.file(CONFIG_FILE)}: missing; cannot rebuild the graph")
+    try:
+      cfg = _model().ModelConfig(**saved["model"])
+    except (ValueError, TypeError) as e:
+      raise RunError(f"{self.file(CONFIG_FILE)}: not a valid config.json ({e})") from None
+    return cfg, saved.get("train", {})
+
+  def check_resume(self, model_fields, settings, may_change=(), setting_defaults=None,
+                   adopt=False):
+    """Refuses to resume with other values than config.json records.
+
+    Args:
+      model_fields, settings: what the flags give (dicts).
+      may_change: fields and settings that may differ (not compared).
+      setting_defaults: what a setting config.json lacks (recorded since the
+        run started) meant; a missing model field means its default.
+      adopt: checkpoints without config.json may be resumed.
+    Raises: ValueError naming the file and the first differing field, or
+      checkpoints without config.json.
+    """
+    saved = self.config()
+    path = self.file(CONFIG_FILE)
+    if saved is None:
+      found = [p for which in CHECKPOINT_FOLDERS for p in self.checkpoints(which)]
+      if found and not adopt:
+        raise ValueError(
+            f"{self.path} has checkpoints ({os.path.relpath(found[-1], self.path)}) "
+            "but no config.json, so the settings they were trained with cannot be "
+            "checked: restore config.json, or pass --adopt_checkpoints to resume "
+            "them with these flags (the variables' shapes are checked against the "
+            "model)")
+      return
+    old_model, old_train = saved["model"], saved.get("train", {})
+    defaults = dataclasses.asdict(_model().ModelConfig())   # fields added since
+    for field, value in model_fields.items():
+      if field not in may_change:
+        _same(path, field, old_model.get(field, defaults.get(field)), value)
+    for field, value in settings.items():
+      if field in may_change:
+        continue
+      if field in old_train:
+        _same(path, field, old_train[field], value)
+      elif field in (setting_defaults or {}):
+        _same(path, field, setting_defaults[field], value)
+
+  def check_writable(self):
+    """The folder, or the one that would hold it, takes a file.
+    Raises: ValueError naming the path."""
+    if os.path.exists(self.path) and not os.path.isdir(self.path):
+      raise ValueError(f"--logdir={self.path}: is a file, expected a folder")
+    folder = self.path
+    while not os.path.exists(folder):
+      folder = os.path.dirname(os.path.abspath(folder))
+    if not os.path.isdir(folder):
+      raise ValueError(f"--logdir={self.path}: {folder} is a file, expected a folder")
+    try:
+      with tempfile.TemporaryFile(dir=folder):
+        pass
+    except OSError as e:
+      raise ValueError(f"--logdir={self.path}: cannot write in {folder} "
+                       f"({e.strerror})") from None
+
+  def lock(self):
+    """This process as the folder's one writer (`RunLock`)."""
+    return RunLock(self.path)
+
+  # -- checkpoints
+
+  def checkpoints(self, which):
+    """The checkpoint prefixes of latest/ or best/, oldest first."""
+    return checkpoints_in(self.checkpoint_folder(which))
+
+  def latest_checkpoint(self, which):
+    """What latest/ or best/'s `checkpoint` index names, or None."""
+    tf = _tf()
+    return tf.train.latest_checkpoint(self.checkpoint_folder(which))
+
+  def newest_intact(self):
+    """The newest checkpoint of latest/ and best/ that reads back whole:
+    (prefix or None, [(prefix, reason)] of the newer damaged ones)."""
+    return newest_intact([self.checkpoint_folder(w) for w in CHECKPOINT_FOLDERS])
+
+  # -- rows
+
+  def append_metrics(self, row, kind):
+    """A metrics.jsonl row of `kind` "epoch" or "validation"."""
+    files.append_jsonl(self.file(METRICS_FILE), dict(row, kind=kind))
+
+  def append_diagnostic(self, row):
+    files.append_jsonl(self.file(DIAGNOSTICS_FILE), row)
+
+  def metrics(self, kind=None):
+    """metrics.jsonl's rows, each with its "kind" (rows written before the
+    field existed: "epoch" if they have the epoch's images_per_sec), all or
+    those of one kind."""
+    rows = [dict(r, kind=r.get("kind") or ("epoch" if "images_per_sec" in r
+                                           else "validation"))
+            for r in _read_jsonl(self.file(METRICS_FILE))]
+    return [r for r in rows if kind is None or r["kind"] == kind]
+
+  def diagnostics(self):
+    return _read_jsonl(self.file(DIAGNOSTICS_FILE))
+
+  def drop_rows_after(self, step):
+    """Drops the metrics and diagnostics rows of steps after `step` (a
+    resumed run writes them again)."""
+    for name in (METRICS_FILE, DIAGNOSTICS_FILE):
+      path = self.file(name)
+      if not os.path.exists(path):
+        continue
+      with open(path) as f:
+        lines = [l for l in f if l.strip()]
+      kept = [l for l in lines if json.loads(l)["step"] <= step]
+      if len(kept) < len(lines):
+        files.atomic_write(path, "".join(kept))
+
+  # -- results
+
+  def write_test_results(self, result):
+    files.write_json(self.file(TEST_RESULTS_FILE), result)
+
+  def test_results(self):
+    """test_results.json, or None."""
+    return _read_json(self.file(TEST_RESULTS_FILE))
+
+  def write_routing(self, summary):
+    files.write_json(self.file(ROUTING_FILE), summary)
+
+  def routing(self):
+    """routing.json, or None."""
+    return _read_json(self.file(ROUTING_FILE))
+
+
+def _same(path, field, before, value):
+  before = tuple(before) if isinstance(before, list) else before
+  if before != value:
+    raise ValueError(f"{path} has {field}={before!r}, the flags give "
+                     f"{value!r}: use another --logdir or the same value")
 
 
 LOCK_FILE = "train.lock"
@@ -75,33 +302,24 @@ def lock(logdir):
 def resolve(path, which):
   """(checkpoint prefix, run folder holding config.json) for --checkpoint."""
   if os.path.isdir(path):
-    folder = os.path.join(path, which)
-    ckpt = tf.train.latest_checkpoint(folder) if os.path.isdir(folder) else None
+    ckpt = RunFolder(path).latest_checkpoint(which) if os.path.isdir(
+        os.path.join(path, which)) else None
     if ckpt is None:
-      raise RunError(f"{path}: no checkpoint in {folder}"
+      raise RunError(f"{path}: no checkpoint in {os.path.join(path, which)}"
                      + (" (try --which=latest)" if which == "best" else ""))
     return ckpt, path
   if not os.path.exists(path + ".index"):
     raise RunError(f"{path}: no such checkpoint (expected {path}.index) or logdir")
   parent = os.path.dirname(os.path.abspath(path))
   for run_dir in (parent, os.path.dirname(parent)):
-    if os.path.exists(os.path.join(run_dir, "config.json")):
+    if os.path.exists(RunFolder(run_dir).file(CONFIG_FILE)):
       return path, run_dir
   raise RunError(f"{path}: no config.json beside the checkpoint or one folder up")
 
 
 def load_config(run_dir):
   """(ModelConfig, trainer settings dict) from <run_dir>/config.json."""
-  path = os.path.join(run_dir, "config.json")
-  if not os.path.exists(path):
-    raise RunError(f"{path}: missing; cannot rebuild the graph")
-  try:
-    with open(path) as f:
-      saved = json.load(f)
-    cfg = model.ModelConfig(**saved["model"])
-  except (ValueError, KeyError, TypeError) as e:
-    raise RunError(f"{path}: not a valid config.json ({e})") from None
-  return cfg, saved.get("train", {})
+  return RunFolder(run_dir).load_config()
 
 
 # The name of a variable's exponential moving average (train.py --ema_decay).
@@ -112,6 +330,7 @@ WEIGHTS = ("auto", "raw", "averaged")
 def chosen_weights(ckpt):
   """"averaged" if the run chose the averaged weights for this checkpoint
   (its `state/best_averaged`: they won the validation), else "raw"."""
+  tf = _tf()
   try:
     reader = tf.train.load_checkpoint(ckpt)
     if reader.has_tensor("state/best_averaged"):
@@ -131,6 +350,7 @@ def model_saver(ckpt, variables, weights="auto"):
   Raises: RunError for a checkpoint that does not fit, or averaged weights
     asked of a run without them.
   """
+  tf = _tf()
   if weights not in WEIGHTS:
     raise RunError(f"--weights={weights}: expected one of {WEIGHTS}")
   if weights == "auto":
@@ -145,6 +365,7 @@ def model_saver(ckpt, variables, weights="auto"):
 
 
 def _list(ckpt):
+  tf = _tf()
   try:
     return tf.train.list_variables(ckpt)
   except (tf.errors.OpError, ValueError) as e:
@@ -157,6 +378,7 @@ def check_matches(ckpt, variables):
   Args:
     variables: a list of variables, or a dict checkpoint name -> variable.
   """
+  tf = _tf()
   if not isinstance(variables, dict):
     variables = {v.op.name: v for v in variables}
   saved = dict(_list(ckpt))
@@ -184,6 +406,7 @@ def checkpoints_in(folder):
   """Checkpoint prefixes in `folder`, oldest first: those its `checkpoint`
   file lists and any other `model.ckpt-<step>` with an index file (the
   `checkpoint` file itself may be the damaged part)."""
+  tf = _tf()
   found = set()
   try:
     state = tf.compat.v1.train.get_checkpoint_state(folder)
@@ -203,6 +426,7 @@ def checkpoints_in(folder):
 def damage(prefix):
   """Why the checkpoint cannot be restored (a short reason), or None if
   every tensor in it reads back (TensorFlow checks each one's checksum)."""
+  tf = _tf()
   if not os.path.exists(prefix + ".index"):
     return "no .index file"
   try:

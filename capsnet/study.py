@@ -43,6 +43,7 @@ from absl import app
 from absl import flags
 
 from capsnet import files
+from capsnet import runs
 from capsnet import stats
 
 # train.py's learning-rate decay period; runs with another one get a tag.
@@ -79,8 +80,7 @@ GRIDS = {   # grid: {variant: the train.py flags that make it}
     },
 }
 VARIANTS = GRIDS["stop_gradient"]
-SMALL_FILES = ("config.json", "metrics.jsonl", "diagnostics.jsonl", "test_results.json",
-               "routing.json")
+SMALL_FILES = runs.SMALL_FILES
 LAST_EPOCHS = 10   # the decision rule's late validation figure: mean of the last 10
 
 
@@ -124,29 +124,14 @@ def run_dir(out, variant, seed, decay_steps=DEFAULT_DECAY_STEPS):
   return os.path.join(out, run_name(variant, seed, decay_steps))
 
 
-def read_jsonl(path):
-  if not os.path.exists(path):
-    return []
-  with open(path) as f:
-    return [json.loads(line) for line in f if line.strip()]
-
-
-def read_json(path, default=None):
-  if not os.path.exists(path):
-    return default
-  with open(path) as f:
-    return json.load(f)
-
-
 def epochs_done(folder):
   """Completed epochs of a run (0 if it has not finished one)."""
-  rows = read_jsonl(os.path.join(folder, "metrics.jsonl"))
-  return max([r["epoch"] for r in rows if "images_per_sec" in r], default=0)
+  return max([r["epoch"] for r in runs.RunFolder(folder).metrics("epoch")], default=0)
 
 
 def is_complete(folder, epochs):
   """The run finished `epochs` epochs and scored its best checkpoint."""
-  return (os.path.exists(os.path.join(folder, "test_results.json"))
+  return (runs.RunFolder(folder).test_results() is not None
           and epochs_done(folder) >= epochs)
 
 
@@ -163,19 +148,20 @@ def train_command(spec, seed, folder, settings, extra):
 
 def describe_run(folder, epochs):
   """One run's figures from its files; None if it has no epoch yet."""
-  metrics = read_jsonl(os.path.join(folder, "metrics.jsonl"))
-  epoch_rows = [m for m in metrics if "images_per_sec" in m]
+  run = runs.RunFolder(folder)
+  metrics = run.metrics()
+  epoch_rows = [m for m in metrics if m["kind"] == "epoch"]
   if not epoch_rows:
     return None
   complete = is_complete(folder, epochs)
-  test = read_json(os.path.join(folder, "test_results.json"), {}) if complete else {}
-  config = read_json(os.path.join(folder, "config.json"), {})
+  test = run.test_results() if complete else {}
+  config = run.config() or {}
   model, batch = config.get("model", {}), config.get("train", {}).get("batch_size")
   val = [m for m in metrics if "val_error_percent" in m]
   weights = _better_weights(epoch_rows)
   key = "val_error_percent" + ("_averaged" if weights == "averaged" else "")
   epoch_val = [m[key] for m in epoch_rows if key in m]
-  diags = read_jsonl(os.path.join(folder, "diagnostics.jsonl"))
+  diags = run.diagnostics()
   wall = sum(m["wall_s"] for m in epoch_rows if "wall_s" in m)
   return {
       "run": os.path.basename(folder), "complete": complete,
@@ -191,7 +177,7 @@ def describe_run(folder, epochs):
       "test_weights": test.get("weights", "raw"),
       "last_val_error": (statistics.mean(epoch_val[-LAST_EPOCHS:])
                          if complete and len(epoch_val) >= LAST_EPOCHS else None),
-      "routing": read_json(os.path.join(folder, "routing.json")) if complete else None,
+      "routing": run.routing() if complete else None,
       "images_per_sec": statistics.mean(m["images_per_sec"] for m in epoch_rows),
       "train_wall_s": round(wall, 1),
       "curve": [(m["epoch"], m["val_error_percent"]) for m in val],
@@ -613,10 +599,10 @@ def measure_routing(folder, iter_routing):
     if rc:
       sys.exit(f"study: error: eval.py --iter_routing={r} on {folder} failed "
                f"(exit {rc}); see {folder}.log")
-    results[r] = (read_json(os.path.join(out_dir, "results.json")),
-                  _read_predictions(os.path.join(out_dir, "predictions.csv")))
+    with open(os.path.join(out_dir, "results.json")) as f:
+      results[r] = (json.load(f), _read_predictions(os.path.join(out_dir, "predictions.csv")))
   summary = routing_summary(results[iter_routing], results[other_routing(iter_routing)])
-  files.write_json(os.path.join(folder, "routing.json"), summary)
+  runs.RunFolder(folder).write_routing(summary)
   return summary
 
 
@@ -683,7 +669,7 @@ def main(argv):
       run_one(grid[name], seed, folder, dict(settings, decay_steps=decay_steps), extra)
     if (FLAGS.routing and is_complete(folder, FLAGS.epochs)
         and grid[name].get("dataset", "mnist") != "multimnist"
-        and not os.path.exists(os.path.join(folder, "routing.json"))
+        and runs.RunFolder(folder).routing() is None
         and os.path.isdir(os.path.join(folder, "best"))):
       print(f"{os.path.basename(folder)}: measuring routing", flush=True)
       measure_routing(folder, grid[name]["iter_routing"])

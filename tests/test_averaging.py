@@ -23,7 +23,7 @@ def _model_tensors(ckpt, suffix=""):
 
 @needs_mnist
 def test_weight_averaging(tmp_path):
-  common = [*QUICK, "--dtype=float64", "--epochs=2", "--save_every=1"]
+  common = [*QUICK, "--dtype=float64", "--epochs=2", "--save_every=19"]
   plain, averaged = str(tmp_path / "plain"), str(tmp_path / "ema")
   assert train_here(*common, f"--logdir={plain}").returncode == 0
   proc = train_here(*common, "--ema_decay=0.5", f"--logdir={averaged}")
@@ -35,7 +35,8 @@ def test_weight_averaging(tmp_path):
   for name in raw:
     np.testing.assert_array_equal(raw[name], plain_raw[name], err_msg=name)
   # The average's update at step 20: decay min(0.5, 21 / 30) = 0.5 of the
-  # step-19 average plus 0.5 of the step-20 weights.
+  # step-19 average plus 0.5 of the step-20 weights (checkpoints at step 19,
+  # --save_every, and 20, the epoch's end).
   before = _model_tensors(latest(averaged, 19), runs.AVERAGE_SUFFIX)
   after = _model_tensors(latest(averaged, 20), runs.AVERAGE_SUFFIX)
   assert sorted(after) == sorted(raw)
