@@ -26,7 +26,7 @@ from capsnet import routing
 #   zero biases, W from N(0, 0.01)).
 # Routing, the margin loss and the decoder's shape are the same; the loss
 # balance is recon_weight's (the official code's is 0.01 against the summed
-# margin loss, see README), the stop_gradient switch its own.
+# margin loss, see docs/table1.md), the stop_gradient switch its own.
 CAPSULE_LAYERS = ("paper", "official")
 
 

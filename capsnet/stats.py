@@ -1,6 +1,6 @@
 """Paired comparisons of seeds: the mean difference with a t interval.
 
-The study's decision rule (README, "The three-seed decision rule"): two
+The study's decision rule (docs/table1.md, "The three-seed decision rule"): two
 variants run with the same seeds are compared by their per-seed differences;
 a difference is called only when its 95% interval excludes zero.
 """

@@ -11,7 +11,7 @@ from conftest import MNIST, cli, needs_mnist
 @needs_mnist
 def test_one_epoch_paper_model_reaches_paper_like_error(tmp_path):
   """One bf16 epoch of the paper model: test error at most 1.5% (measured
-  1.41%, fp32 1.40%; README, 'One epoch on this machine')."""
+  1.41%, fp32 1.40%; docs/training.md, 'One epoch on this machine')."""
   logdir = str(tmp_path / "run")
   proc = cli("train.py", "--iter_routing=3", "--epochs=1", "--precision=bf16",
              f"--logdir={logdir}", f"--data_dir={MNIST}", "--download=false",
