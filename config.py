@@ -89,7 +89,7 @@ def define_data_flags(dataset_default="mnist", flag_values=flags.FLAGS):
   flags.DEFINE_integer("val_size", 5000, "validation images held out from the "
                        "end of the training file (0 allowed)", lower_bound=0,
                        flag_values=fv)
-  flags.DEFINE_integer("multimnist_shift", multimnist.MAX_SHIFT, "multimnist: "
+  flags.DEFINE_integer("multimnist_shift", multimnist.PAIR_SHIFT, "multimnist: "
                        "largest shift of each digit in pixels (the paper: 4; the "
                        "official generator's README: 6)", lower_bound=0,
                        upper_bound=16, flag_values=fv)

@@ -155,7 +155,7 @@ def evaluate_split(cfg, ckpt, run_dir, train_settings, s):
   data_dir = s.data_dir or config.default_data_dir(dataset)
   if dataset == "multimnist":
     splits = multimnist.load(data.load("mnist", data_dir, val_size, s.download),
-                             train_settings.get("multimnist_shift", multimnist.MAX_SHIFT))
+                             train_settings.get("multimnist_shift", multimnist.PAIR_SHIFT))
   else:
     splits = data.load(dataset, data_dir, val_size, s.download)
   s = dataclasses.replace(s, dataset=dataset, out_dir=s.out_dir or os.path.join(

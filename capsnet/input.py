@@ -23,7 +23,7 @@ import tensorflow as tf
 
 IMAGE_MAGIC = 2051   # 0x00000803: unsigned byte, 3 dimensions
 LABEL_MAGIC = 2049   # 0x00000801: unsigned byte, 1 dimension
-MAX_SHIFT = 2        # the paper's augmentation: shifts of up to 2 pixels
+AUGMENT_SHIFT = 2    # the paper's augmentation: shifts of up to 2 pixels
 
 # name -> its files: (file name, md5 of the .gz, size in bytes), as
 # published; the image size and the number of classes; the mirrors.
@@ -262,7 +262,7 @@ def shard_order(order, batch_size, index, count):
       .reshape(-1)
 
 
-def random_shift(images, seed, max_shift=MAX_SHIFT, shard=(0, 1)):
+def random_shift(images, seed, max_shift=AUGMENT_SHIFT, shard=(0, 1)):
   """Shifts each image by its own random (dy, dx) in [-max_shift, max_shift],
   filling with zeros: an exact translation.
 

@@ -21,10 +21,10 @@ import tensorflow as tf
 from capsnet import input as data
 
 CANVAS = 36
-MAX_SHIFT = 4
+PAIR_SHIFT = 4   # each digit of a pair shifted by up to 4 pixels (Section 6)
 
 
-def fixed_pairs(labels, seed, max_shift=MAX_SHIFT, num_classes=10):
+def fixed_pairs(labels, seed, max_shift=PAIR_SHIFT, num_classes=10):
   """One pair per digit of a split: (first, second, shifts).
 
   Args:
@@ -81,7 +81,7 @@ def compose(images, labels, first, second, shifts):
   return merge(a, b)[..., None], pair_labels, targets
 
 
-def training_pairs(images, labels, first, seed, max_shift=MAX_SHIFT, num_classes=10):
+def training_pairs(images, labels, first, seed, max_shift=PAIR_SHIFT, num_classes=10):
   """The pairs of one training batch, drawn in TensorFlow (stateless).
 
   Args:
@@ -168,7 +168,7 @@ def eval_pipeline(batch_size, name="eval_input", size=CANVAS):
   return Pipeline(images, labels, targets, None, None, None, iterator, batch)
 
 
-def train_pipeline(batch_size, max_shift=MAX_SHIFT, name="train_input"):
+def train_pipeline(batch_size, max_shift=PAIR_SHIFT, name="train_input"):
   """Training pairs drawn on the fly: feed the training digits, their
   labels, the epoch's order of first digits, the epoch's seed and the index
   of the first batch (to resume inside an epoch); batch k's pairs follow
@@ -196,7 +196,7 @@ def _float(x):
   return tf.cast(x, tf.float32) / 255.0
 
 
-def load(mnist_splits, max_shift=MAX_SHIFT, seeds=(1, 2)):
+def load(mnist_splits, max_shift=PAIR_SHIFT, seeds=(1, 2)):
   """MultiMNIST splits from the MNIST splits: training digits as they are
   (paired on the fly), validation and test as fixed pairs, one per digit,
   by the given seeds (the same for every run).

@@ -6,7 +6,7 @@ import subprocess
 
 import tensorflow as tf
 
-from conftest import SMALL, cli, eval_here, last_line, needs_mnist, start, wait_until
+from conftest import SMALL, cli, eval_here, needs_mnist, start, wait_until
 
 
 def test_train_flag_error_is_one_line_and_writes_nothing(tmp_path):

@@ -15,12 +15,8 @@ import tensorflow as tf
 
 import train
 from capsnet import runs
-from conftest import (QUICK, last_line, listed, needs_mnist, rows, start, train_here,
-                      wait_until)
-from test_regression import _weights_sha256
-
-TIMING = ("wall_s", "images_per_sec")   # metrics fields that may differ
-
+from conftest import (QUICK, TIMING, last_line, latest_step, listed, needs_mnist, rows,
+                      start, train_here, wait_until, weights_sha256)
 
 @needs_mnist
 def test_full_disk_while_saving_ends_in_one_line_and_listed_checkpoints_load(small_disk):
@@ -82,7 +78,7 @@ def test_sigkill_at_random_moments_changes_nothing(tmp_path):
   rng = random.Random(0)
   kills = 0
   for attempt in range(3):
-    start_step = _latest_step(logdir)
+    start_step = latest_step(logdir)
     proc = start("train.py", *args, f"--logdir={logdir}", stdout=subprocess.DEVNULL,
                  stderr=subprocess.DEVNULL)
     if attempt == 0:   # while a checkpoint is being written
@@ -90,7 +86,7 @@ def test_sigkill_at_random_moments_changes_nothing(tmp_path):
                  poll=0.001, proc=proc)
     else:              # a few steps on, at a random moment of a step
       target = start_step + rng.randint(2, 5)
-      wait_until(lambda: _latest_step(logdir) >= target, poll=0.001, proc=proc)
+      wait_until(lambda: latest_step(logdir) >= target, poll=0.001, proc=proc)
     time.sleep(0 if attempt == 0 else rng.uniform(0.0, 0.05))
     if proc.poll() is None:
       proc.kill()
@@ -101,7 +97,7 @@ def test_sigkill_at_random_moments_changes_nothing(tmp_path):
   assert proc.returncode == 0, proc.stderr[-3000:]
   ckpt = lambda d: tf.train.latest_checkpoint(os.path.join(d, "latest"))
   assert ckpt(logdir).endswith("-30") and ckpt(reference).endswith("-30")
-  assert _weights_sha256(ckpt(logdir)) == _weights_sha256(ckpt(reference))
+  assert weights_sha256(ckpt(logdir)) == weights_sha256(ckpt(reference))
   strip = lambda rs: [{k: v for k, v in r.items() if k not in TIMING} for r in rs]
   assert strip(rows(logdir)) == strip(rows(reference))
   test = lambda d: json.load(open(os.path.join(d, "test_results.json")))
@@ -109,11 +105,3 @@ def test_sigkill_at_random_moments_changes_nothing(tmp_path):
       test(reference)["checkpoint"]), (rows(logdir), rows(reference))
   assert test(logdir)["accuracy"] == test(reference)["accuracy"]
   np.testing.assert_equal(test(logdir)["confusion"], test(reference)["confusion"])
-
-
-def _latest_step(logdir):
-  try:
-    with open(os.path.join(logdir, "latest", "checkpoint")) as f:
-      return runs.step_of(f.readline().split('"')[1])
-  except (OSError, IndexError, ValueError):
-    return 0

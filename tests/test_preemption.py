@@ -4,19 +4,14 @@ checkpoint in a finished run, and a model override that does not fit."""
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
-import time
 
-import pytest
 import tensorflow as tf
 
 from capsnet import runs
-from conftest import (QUICK, eval_here, last_line, listed, needs_mnist, rows, start,
-                      train_here, wait_until)
-from test_kills import TIMING, _latest_step
-from test_regression import _weights_sha256
+from conftest import (QUICK, TIMING, eval_here, last_line, latest_step, listed,
+                      needs_mnist, rows, start, train_here, wait_until, weights_sha256)
 
 
 def _stop_with(sig, logdir, args, after_step):
@@ -24,7 +19,7 @@ def _stop_with(sig, logdir, args, after_step):
   finished process's (status, stdout, stderr)."""
   proc = start("train.py", *args, f"--logdir={logdir}", stdout=subprocess.PIPE,
                stderr=subprocess.PIPE, text=True)
-  assert wait_until(lambda: _latest_step(logdir) >= after_step, proc=proc), \
+  assert wait_until(lambda: latest_step(logdir) >= after_step, proc=proc), \
       proc.communicate()[1][-3000:]
   proc.send_signal(sig)
   out, err = proc.communicate(timeout=120)
@@ -38,12 +33,12 @@ def test_sigterm_and_sighup_save_and_the_resume_is_bit_identical(tmp_path):
   assert train_here(*args, f"--logdir={reference}").returncode == 0
   logdir = str(tmp_path / "preempted")
   for sig, status, after in ((signal.SIGTERM, 143, 3), (signal.SIGHUP, 129, 14)):
-    before = _latest_step(logdir)
+    before = latest_step(logdir)
     code, out, err = _stop_with(sig, logdir, args, after)
     assert code == status, err[-3000:]
     assert "Traceback" not in err
     assert f"{sig.name}: saving a checkpoint at the end of this step" in out + err
-    saved = _latest_step(logdir)
+    saved = latest_step(logdir)
     assert saved > before and f"Saved {logdir}/latest/model.ckpt-{saved}" in out
     for prefix in listed(os.path.join(logdir, "latest")):
       assert runs.damage(prefix) is None, prefix
@@ -51,7 +46,7 @@ def test_sigterm_and_sighup_save_and_the_resume_is_bit_identical(tmp_path):
   assert proc.returncode == 0, proc.stderr[-3000:]
   ckpt = lambda d: tf.train.latest_checkpoint(os.path.join(d, "latest"))
   assert ckpt(logdir).endswith("-30")
-  assert _weights_sha256(ckpt(logdir)) == _weights_sha256(ckpt(reference))
+  assert weights_sha256(ckpt(logdir)) == weights_sha256(ckpt(reference))
   strip = lambda rs: [{k: v for k, v in r.items() if k not in TIMING} for r in rs]
   assert strip(rows(logdir)) == strip(rows(reference))
 
@@ -62,7 +57,7 @@ def test_one_trainer_a_run_folder(tmp_path):
   first = start("train.py", *QUICK, "--epochs=50", f"--logdir={logdir}",
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
   try:
-    assert wait_until(lambda: _latest_step(logdir) >= 1, proc=first)
+    assert wait_until(lambda: latest_step(logdir) >= 1, proc=first)
     before = sorted(os.listdir(logdir))
     metrics = open(os.path.join(logdir, "metrics.jsonl")).read() if os.path.exists(
         os.path.join(logdir, "metrics.jsonl")) else ""

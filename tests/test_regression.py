@@ -1,14 +1,12 @@
 """The end-to-end numerical regression test: a fixed-seed tiny run's weights,
 bit for bit."""
-import hashlib
 import json
 import os
 
-import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import SMALL, needs_mnist, train_here
+from conftest import SMALL, needs_mnist, train_here, weights_sha256
 
 
 # Weights of a fixed-seed tiny run (SMALL, 320 training images, 12 steps), a
@@ -26,16 +24,6 @@ BF16_WEIGHTS_SHA256 = {   # CPU bf16 instructions: sha256
     # recorded at commit 3866746 (before the official layers and weight averaging)
     "avx512_bf16,amx_bf16": "389aa19701adcbca7027e016c82e9d135f644cb7143c3cea06ddb4d5ce8e5187",
 }
-
-
-def _weights_sha256(ckpt):
-  reader = tf.train.load_checkpoint(ckpt)
-  digest = hashlib.sha256()
-  for name, _ in sorted(tf.train.list_variables(ckpt)):
-    if name.startswith("capsnet/") and "Adam" not in name:
-      digest.update(name.encode())
-      digest.update(np.ascontiguousarray(reader.get_tensor(name)).tobytes())
-  return digest.hexdigest()
 
 
 def _cpu_bf16_instructions():
@@ -71,4 +59,4 @@ def test_max_steps_and_bit_identical_weights(tmp_path, mode):
   assert [(r["epoch"], r["step"]) for r in rows] == [(1, 10)]
   test = json.load(open(os.path.join(logdir, "test_results.json")))
   assert test["checkpoint"].endswith("best/model.ckpt-10")
-  assert _weights_sha256(ckpt) == WEIGHTS_SHA256[mode]
+  assert weights_sha256(ckpt) == WEIGHTS_SHA256[mode]

@@ -83,7 +83,7 @@ def test_one_iteration_is_squash_of_the_mean_over_out_caps():
   np.testing.assert_allclose(c_val, 1.0 / 3)
 
 
-def test_two_iterations_match_numpy_procedure_1():
+def test_three_iterations_match_numpy_procedure_1():
   u_hat = np.random.RandomState(3).randn(2, 5, 3, 4)   # [b, i, o, d]
   b = np.zeros([2, 5, 3])
   cs = []

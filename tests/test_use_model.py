@@ -35,7 +35,7 @@ def small_run(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def test_digits():
+def mnist_test_split():
   return data.load("mnist", MNIST, 5000, download_missing=False)["test"]
 
 
@@ -81,8 +81,8 @@ def test_preprocess_makes_an_mnist_digit(tmp_path):
 
 @needs_mnist
 @needs_pretrained
-def test_photographed_test_digits_classified_as_the_originals(tmp_path, test_digits):
-  images, _ = test_digits
+def test_photographed_test_digits_classified_as_the_originals(tmp_path, mnist_test_split):
+  images, _ = mnist_test_split
   paths = write_as_photos(images[:100], str(tmp_path))
   ckpt, run = runs.resolve(PRETRAINED, "best")
   cfg = runs.load_config(run)[0]
@@ -92,8 +92,8 @@ def test_photographed_test_digits_classified_as_the_originals(tmp_path, test_dig
 
 
 @needs_mnist
-def test_images_cli_prints_writes_and_reports_bad_files(small_run, test_digits, tmp_path):
-  images, _ = test_digits
+def test_images_cli_prints_writes_and_reports_bad_files(small_run, mnist_test_split, tmp_path):
+  images, _ = mnist_test_split
   paths = write_as_photos(images[:3], str(tmp_path))
   bad = tmp_path / "broken.png"
   bad.write_bytes(b"not an image")
@@ -123,8 +123,8 @@ def test_images_cli_prints_writes_and_reports_bad_files(small_run, test_digits, 
 
 
 @needs_mnist
-def test_routing_picture_draws_the_models_coefficients(small_run, test_digits):
-  images, labels = test_digits
+def test_routing_picture_draws_the_models_coefficients(small_run, mnist_test_split):
+  images, labels = mnist_test_split
   ckpt, run = runs.resolve(small_run, "best")
   cfg = runs.load_config(run)[0]
   drawn = serving.classify(cfg, ckpt, images[:2])            # what eval.py draws
@@ -149,8 +149,8 @@ def test_routing_picture_draws_the_models_coefficients(small_run, test_digits):
 
 
 @needs_mnist
-def test_savedmodel_loads_without_project_code(small_run, test_digits, tmp_path):
-  images, _ = test_digits
+def test_savedmodel_loads_without_project_code(small_run, mnist_test_split, tmp_path):
+  images, _ = mnist_test_split
   folder = str(tmp_path / "savedmodel")
   proc = eval_here(f"--checkpoint={small_run}", f"--export_savedmodel={folder}")
   assert proc.returncode == 0, proc.stderr[-3000:]
@@ -186,7 +186,7 @@ print(f.structured_input_signature)
 
 
 @needs_mnist
-def test_shipped_weights_are_the_model_variables_only(small_run, test_digits, tmp_path):
+def test_shipped_weights_are_the_model_variables_only(small_run, mnist_test_split, tmp_path):
   from capsnet import pretrained
   out = str(tmp_path / "shipped")
   prefix = pretrained.ship(small_run, out)
@@ -198,7 +198,7 @@ def test_shipped_weights_are_the_model_variables_only(small_run, test_digits, tm
   assert shipped == model_vars                      # no slots, no run state
   saved = json.load(open(os.path.join(out, "config.json")))
   assert saved["shipped_from"]["step"] == int(ckpt.rsplit("-", 1)[1])
-  images = test_digits[0][:50]
+  images = mnist_test_split[0][:50]
   cfg = runs.load_config(run)[0]
   np.testing.assert_array_equal(
       serving.classify(runs.load_config(out)[0], *runs.resolve(out, "best")[:1],
