@@ -1,7 +1,8 @@
 """Command-line flags and their conversion into a `ModelConfig`.
 
-Only train.py / eval.py / capsnet.study call the `define_*` functions (at
-import) and read FLAGS (in main); the graph builder takes the plain config.
+Only train.py and eval.py call the `define_*` functions (at import) and read
+FLAGS (in main); the graph builder takes the plain config. capsnet.study,
+capsnet.bench and capsnet.pretrained define flags of their own.
 """
 import dataclasses
 import os
@@ -10,7 +11,7 @@ from absl import flags
 import tensorflow as tf
 
 from capsnet import cluster
-from capsnet import input as data
+from capsnet import data
 from capsnet import model
 from capsnet import multimnist
 

@@ -29,7 +29,7 @@ import tensorflow as tf  # noqa: E402
 import config  # noqa: E402
 from capsnet import evaluation  # noqa: E402
 from capsnet import files  # noqa: E402
-from capsnet import input as data  # noqa: E402
+from capsnet import data  # noqa: E402
 from capsnet import model  # noqa: E402
 from capsnet import multimnist  # noqa: E402
 from capsnet import pictures  # noqa: E402

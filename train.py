@@ -35,7 +35,7 @@ import config  # noqa: E402
 from capsnet import cluster  # noqa: E402
 from capsnet import distributed  # noqa: E402
 from capsnet import evaluation  # noqa: E402
-from capsnet import input as data  # noqa: E402
+from capsnet import data  # noqa: E402
 from capsnet import model  # noqa: E402
 from capsnet import multimnist  # noqa: E402
 from capsnet import runs  # noqa: E402
@@ -45,16 +45,14 @@ flags.DEFINE_integer("train_size", 0, "use only the first N training images "
                      "(0: all); for quick experiments and tests", lower_bound=0)
 FLAGS = flags.FLAGS
 
-# Model fields that may differ between a run and its resumption: they change
-# how the same computation is carried out, not what is computed.
-RESUMABLE_CHANGES = ("precision", "conv_impl")
-
-# Trainer settings written to config.json ("train"); all but the ones in
-# RESUMABLE_SETTINGS must be the same when a run resumes.
+# Trainer settings written to config.json ("train").
 RECORDED_SETTINGS = ("dataset", "val_size", "train_size", "batch_size",
                      "learning_rate", "decay_steps", "decay_rate", "seed", "epochs",
                      "multimnist_shift", "workers", "sync", "ema_decay")
-RESUMABLE_SETTINGS = ("epochs",)
+# What may differ between a run and its resumption: model fields that change
+# how the same computation is carried out, not what is computed, and the
+# length of the run. Every other model field and recorded setting must match.
+MAY_CHANGE_ON_RESUME = ("precision", "conv_impl", "epochs")
 # Recorded settings added since some runs started: what a config.json without
 # them means (weight averaging stays off for a run that started without it).
 SETTING_DEFAULTS = {"ema_decay": 0.0}
@@ -170,8 +168,8 @@ def load_splits(s, cfg):
 def check_logdir(logdir, cfg, s):
   """Refuses a logdir that is a file, cannot be written, has checkpoints but
   no config.json (unless --adopt_checkpoints), or whose config.json
-  disagrees with `cfg` or the settings (but for RESUMABLE_CHANGES and
-  RESUMABLE_SETTINGS). Writes nothing.
+  disagrees with `cfg` or the settings (but for MAY_CHANGE_ON_RESUME).
+  Writes nothing.
 
   Raises: ValueError naming the path, or the file and the first differing
   field.
@@ -179,7 +177,7 @@ def check_logdir(logdir, cfg, s):
   folder = runs.RunFolder(logdir)
   folder.check_writable()
   folder.check_resume(dataclasses.asdict(cfg), s.recorded(),
-                      may_change=RESUMABLE_CHANGES + RESUMABLE_SETTINGS,
+                      may_change=MAY_CHANGE_ON_RESUME,
                       setting_defaults=SETTING_DEFAULTS, adopt=s.adopt_checkpoints)
 
 
@@ -299,7 +297,7 @@ def build_graph(cfg, s, devices, fixed_batch):
                                      s.sync)
     grads, outs = model.tower_gradients(
         images, labels, cfg, opt, devices, targets=targets,
-        variables_on=distributed.variable_device(s.cluster))
+        variable_device=distributed.variable_device(s.cluster))
     train_op = opt.apply_gradients(grads, state.global_step)
     n = float(len(outs))
     loss = tf.add_n([o.loss for o in outs]) / n

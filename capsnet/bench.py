@@ -235,7 +235,7 @@ def _measure_input(settings, queue, n=55000, batches=200):
   """Child process: images/s of the training tf.data pipeline, augmentation on."""
   import numpy as np
   tf = _child_tensorflow()
-  from capsnet import input as data
+  from capsnet import data
   rng = np.random.RandomState(0)
   images = rng.randint(0, 256, (n, 28, 28, 1)).astype(np.uint8)
   labels = rng.randint(0, 10, n).astype(np.int32)

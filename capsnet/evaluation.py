@@ -8,7 +8,7 @@ import collections
 import numpy as np
 import tensorflow as tf
 
-from capsnet import input as data
+from capsnet import data
 from capsnet import model
 from capsnet import multimnist
 

@@ -1,6 +1,6 @@
 """CapsNet layers (Sabour et al. 2017, Section 4). The only `get_variable` calls.
 
-Axis names used in shapes and einsum letters throughout:
+Axis names used in the shape comments throughout:
   b = batch, i = in_caps (primary capsules), o = out_caps (digit capsules),
   k = in_dim (primary capsule dimension), d = out_dim (digit capsule dimension).
 

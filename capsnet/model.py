@@ -258,7 +258,7 @@ def _compute_dtype(cfg):
   return tf.bfloat16 if cfg.precision == "bf16" else None
 
 
-def _variable_device(variable_device, compute_device):
+def _placement(variable_device, compute_device):
   """Device function: variables on `variable_device` (a device or a device
   function, e.g. `replica_device_setter`), other ops on `compute_device`."""
   var_ops = {"Variable", "VariableV2", "VarHandleOp", "AutoReloadVariable"}
@@ -272,20 +272,20 @@ def _variable_device(variable_device, compute_device):
   return place
 
 
-def tower_gradients(images, labels, cfg, optimizer, devices,
-                    variable_device="/cpu:0", targets=None, variables_on=None):
+def tower_gradients(images, labels, cfg, optimizer, devices, variable_device=None,
+                    targets=None):
   """Splits the batch over towers and computes each tower's gradients.
 
   Towers are `tower_{i}` name scopes over one reused `capsnet` variable
-  scope, so variable names do not depend on the number of towers. With one
-  device the variables live on that device, with several on
-  `variable_device` (as in the multi-GPU CIFAR-10 example).
+  scope, so variable names do not depend on the number of towers. The
+  variables live on `variable_device` if given, else on the one device, or
+  on the CPU with several towers (as in the multi-GPU CIFAR-10 example).
 
   Args:
     images, labels: the whole batch; its size must divide by len(devices).
     targets: the MultiMNIST reconstruction targets of the batch, or None.
-    variables_on: where the variables go whatever the number of towers
-      (a device function: the ps tasks of a cluster), or None.
+    variable_device: where the variables go whatever the number of towers
+      (a device, or a device function: the ps tasks of a cluster), or None.
     devices: one device string per tower, e.g. ["/gpu:0", "/gpu:1"].
   Returns:
     grads_and_vars: gradients averaged over the towers.
@@ -300,8 +300,8 @@ def tower_gradients(images, labels, cfg, optimizer, devices,
       tf.split(targets, n) if n > 1 else [targets])
   all_grads, outputs = [], []
   for i, device in enumerate(devices):
-    var_device = variables_on or (device if n == 1 else variable_device)
-    with tf.compat.v1.device(_variable_device(var_device, device)), \
+    variables_at = variable_device or (device if n == 1 else "/cpu:0")
+    with tf.compat.v1.device(_placement(variables_at, device)), \
         tf.name_scope(f"tower_{i}"):
       out = forward(image_parts[i], label_parts[i], cfg, training=True,
                     device=device, targets=target_parts[i])
@@ -310,7 +310,7 @@ def tower_gradients(images, labels, cfg, optimizer, devices,
       outputs.append(out)
   if n == 1:
     return all_grads[0], outputs
-  with tf.device(variable_device):
+  with tf.device("/cpu:0"):
     return average_gradients(all_grads), outputs
 
 

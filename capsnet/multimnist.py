@@ -18,7 +18,7 @@ import collections
 import numpy as np
 import tensorflow as tf
 
-from capsnet import input as data
+from capsnet import data
 
 CANVAS = 36
 PAIR_SHIFT = 4   # each digit of a pair shifted by up to 4 pixels (Section 6)

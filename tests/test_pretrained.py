@@ -8,7 +8,7 @@ import pytest
 import tensorflow as tf
 
 from capsnet import evaluation
-from capsnet import input as data
+from capsnet import data
 from capsnet import runs
 from conftest import MNIST, ROOT, needs_mnist
 

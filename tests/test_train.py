@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from capsnet import input as data
+from capsnet import data
 from capsnet import model
 from capsnet import runs
 from conftest import MNIST, SMALL, TINY, cli, last_line, needs_mnist, train_here
@@ -95,7 +95,7 @@ def test_resume_continues_step_and_optimizer_state(run_dir, tmp_path):
   logdir, _ = run_dir
   resumed = str(tmp_path / "resumed")
   shutil.copytree(logdir, resumed)
-  # precision and conv_impl (RESUMABLE_CHANGES) may change on resume.
+  # precision and conv_impl (MAY_CHANGE_ON_RESUME) may change on resume.
   proc = train_here(*SMALL, f"--logdir={resumed}", "--epochs=2",
              "--train_size=1600", "--learning_rate=0.01", "--num_gpus=2",
              "--device=/cpu:0", "--precision=bf16", "--conv_impl=conv2d")

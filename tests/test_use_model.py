@@ -12,7 +12,7 @@ import pytest
 import tensorflow as tf
 
 from capsnet import evaluation
-from capsnet import input as data
+from capsnet import data
 from capsnet import pictures
 from capsnet import runs
 from capsnet import serving

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from capsnet import input as data
+from capsnet import data
 from conftest import ROOT
 
 
