@@ -101,6 +101,8 @@ def define_train_flags():
   define_model_flags()
   define_data_flags()
   flags.DEFINE_string("logdir", "logs/run", "checkpoints, config.json, metrics, events")
+  flags.DEFINE_integer("train_size", 0, "use only the first N training images "
+                       "(0: all); for quick experiments and tests", lower_bound=0)
   flags.DEFINE_integer("epochs", 50, "training epochs", lower_bound=1)
   flags.DEFINE_integer("max_steps", 0, "stop after this many global steps "
                        "(0: no limit; for smoke tests)", lower_bound=0)
@@ -204,3 +206,81 @@ def resolve_device(device, program):
     return "/cpu:0"
   return device
 
+
+# --------------------------------------------------------------------------
+# The trainer's settings
+
+# Trainer settings written to config.json ("train").
+RECORDED_SETTINGS = ("dataset", "val_size", "train_size", "batch_size",
+                     "learning_rate", "decay_steps", "decay_rate", "seed", "epochs",
+                     "multimnist_shift", "workers", "sync", "ema_decay")
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+  """The trainer's flags (all but the model's), read once in `main`."""
+  logdir: str
+  dataset: str
+  data_dir: str
+  download: bool
+  val_size: int
+  train_size: int
+  multimnist_shift: int     # multimnist: largest shift of a digit
+  epochs: int
+  max_steps: int            # 0: no limit
+  batch_size: int           # all towers together
+  eval_batch_size: int
+  learning_rate: float
+  decay_steps: int
+  decay_rate: float
+  ema_decay: float          # weight averaging (0: off)
+  seed: int
+  device: str               # tower 0's device
+  num_gpus: int             # towers
+  log_device_placement: bool
+  save_every: int
+  summary_every: int
+  diag_every: int           # 0: off
+  val_every: int            # 0: epoch ends only
+  progress: bool
+  adopt_checkpoints: bool   # resume checkpoints that have no config.json
+  cluster: cluster.ClusterInfo   # None: one process
+  workers: int              # workers training together (1: one process)
+  sync: bool                # a cluster's updates: synchronous
+  cluster_wait_secs: int
+
+  def recorded(self):
+    """The part of the settings that config.json keeps."""
+    return {k: getattr(self, k) for k in RECORDED_SETTINGS}
+
+
+def settings_from_flags(values):
+  """A `Settings` from parsed flags; resolves the device and data defaults.
+
+  Raises: ValueError for a batch that does not split over the towers or a
+  cluster description that cannot be used (cluster.ClusterError).
+  """
+  derived = ("cluster", "workers")
+  names = [f.name for f in dataclasses.fields(Settings) if f.name not in derived]
+  kwargs = {name: values[name].value for name in names}
+  kwargs["cluster"] = cluster_from_flags(values)
+  kwargs["workers"] = cluster.num_workers(kwargs["cluster"])
+  if kwargs["cluster"] and kwargs["dataset"] == "multimnist":
+    raise ValueError("--dataset=multimnist does not run on a cluster yet")
+  if kwargs["cluster"] and kwargs["ema_decay"]:
+    raise ValueError(f"--ema_decay={kwargs['ema_decay']}: weight averaging does not "
+                     "run on a cluster yet; use --ema_decay=0 there")
+  kwargs["device"] = resolve_device(kwargs["device"], "train.py")
+  kwargs["data_dir"] = kwargs["data_dir"] or default_data_dir(kwargs["dataset"])
+  if kwargs["batch_size"] % kwargs["num_gpus"]:
+    raise ValueError(f"--batch_size={kwargs['batch_size']} must divide by "
+                     f"--num_gpus={kwargs['num_gpus']}")
+  return Settings(**kwargs)
+
+
+def tower_devices(device, num_towers):
+  """['/gpu:0', '/gpu:1', ...] from --device=/gpu:0 and --num_gpus=2."""
+  if num_towers == 1:
+    return [device]
+  kind = device.rsplit(":", 1)[0]
+  return [f"{kind}:{i}" for i in range(num_towers)]

@@ -32,23 +32,20 @@ import tensorflow as tf  # noqa: E402
 import tqdm  # noqa: E402
 
 import config  # noqa: E402
+from capsnet import averaging  # noqa: E402
 from capsnet import cluster  # noqa: E402
 from capsnet import distributed  # noqa: E402
 from capsnet import evaluation  # noqa: E402
 from capsnet import data  # noqa: E402
 from capsnet import model  # noqa: E402
 from capsnet import multimnist  # noqa: E402
+from capsnet import run_state  # noqa: E402
 from capsnet import runs  # noqa: E402
+from capsnet import stopping  # noqa: E402
 
 config.define_train_flags()
-flags.DEFINE_integer("train_size", 0, "use only the first N training images "
-                     "(0: all); for quick experiments and tests", lower_bound=0)
 FLAGS = flags.FLAGS
 
-# Trainer settings written to config.json ("train").
-RECORDED_SETTINGS = ("dataset", "val_size", "train_size", "batch_size",
-                     "learning_rate", "decay_steps", "decay_rate", "seed", "epochs",
-                     "multimnist_shift", "workers", "sync", "ema_decay")
 # What may differ between a run and its resumption: model fields that change
 # how the same computation is carried out, not what is computed, and the
 # length of the run. Every other model field and recorded setting must match.
@@ -64,76 +61,6 @@ class TrainingError(Exception):
 
 # --------------------------------------------------------------------------
 # Settings
-
-@dataclasses.dataclass(frozen=True)
-class Settings:
-  """The trainer's flags (all but the model's), read once in `main`."""
-  logdir: str
-  dataset: str
-  data_dir: str
-  download: bool
-  val_size: int
-  train_size: int
-  multimnist_shift: int     # multimnist: largest shift of a digit
-  epochs: int
-  max_steps: int            # 0: no limit
-  batch_size: int           # all towers together
-  eval_batch_size: int
-  learning_rate: float
-  decay_steps: int
-  decay_rate: float
-  ema_decay: float          # weight averaging (0: off)
-  seed: int
-  device: str               # tower 0's device
-  num_gpus: int             # towers
-  log_device_placement: bool
-  save_every: int
-  summary_every: int
-  diag_every: int           # 0: off
-  val_every: int            # 0: epoch ends only
-  progress: bool
-  adopt_checkpoints: bool   # resume checkpoints that have no config.json
-  cluster: cluster.ClusterInfo   # None: one process
-  workers: int              # workers training together (1: one process)
-  sync: bool                # a cluster's updates: synchronous
-  cluster_wait_secs: int
-
-  def recorded(self):
-    """The part of the settings that config.json keeps."""
-    return {k: getattr(self, k) for k in RECORDED_SETTINGS}
-
-
-def settings_from_flags(values):
-  """A `Settings` from parsed flags; resolves the device and data defaults.
-
-  Raises: ValueError for a batch that does not split over the towers or a
-  cluster description that cannot be used (cluster.ClusterError).
-  """
-  derived = ("cluster", "workers")
-  names = [f.name for f in dataclasses.fields(Settings) if f.name not in derived]
-  kwargs = {name: values[name].value for name in names}
-  kwargs["cluster"] = config.cluster_from_flags(values)
-  kwargs["workers"] = cluster.num_workers(kwargs["cluster"])
-  if kwargs["cluster"] and kwargs["dataset"] == "multimnist":
-    raise ValueError("--dataset=multimnist does not run on a cluster yet")
-  if kwargs["cluster"] and kwargs["ema_decay"]:
-    raise ValueError(f"--ema_decay={kwargs['ema_decay']}: weight averaging does not "
-                     "run on a cluster yet; use --ema_decay=0 there")
-  kwargs["device"] = config.resolve_device(kwargs["device"], "train.py")
-  kwargs["data_dir"] = kwargs["data_dir"] or config.default_data_dir(kwargs["dataset"])
-  if kwargs["batch_size"] % kwargs["num_gpus"]:
-    raise ValueError(f"--batch_size={kwargs['batch_size']} must divide by "
-                     f"--num_gpus={kwargs['num_gpus']}")
-  return Settings(**kwargs)
-
-
-def tower_devices(device, num_towers):
-  """['/gpu:0', '/gpu:1', ...] from --device=/gpu:0 and --num_gpus=2."""
-  if num_towers == 1:
-    return [device]
-  kind = device.rsplit(":", 1)[0]
-  return [f"{kind}:{i}" for i in range(num_towers)]
-
 
 def load_splits(s, cfg):
   """train/validation/test arrays of the settings' data set, checked
@@ -187,81 +114,6 @@ def write_config(logdir, cfg, s):
 
 
 # --------------------------------------------------------------------------
-# The run's position
-
-@dataclasses.dataclass
-class Position:
-  """Where a run is. Saved with the weights, so that a resume continues."""
-  step: int = 0             # global step
-  epoch: int = 0            # completed epochs
-  examples: int = 0         # examples of the current epoch already trained
-  best_val: float = -1.0    # best validation accuracy so far (-1: none)
-  best_averaged: bool = False  # the best checkpoint won with its averaged weights
-  loss_sum: float = 0.0     # sums over the current epoch's steps, for its
-  accuracy_sum: float = 0.0  # metrics row (float64, added in step order)
-  summed_steps: int = 0     # steps in those sums
-
-
-class RunState:
-  """A `Position` kept in variables, so that every checkpoint holds it.
-
-  The epoch sums were added later: their variables are created after the
-  model's (`add_epoch_sums`), so that the model's initial weights did not
-  move (op seeds follow the graph's op count), and a checkpoint without them
-  restores with them at their defaults (`optional`).
-  """
-
-  def __init__(self):
-    self.global_step = tf.compat.v1.train.get_or_create_global_step()
-    get = tf.compat.v1.get_variable
-    self._vars = {   # Position field: variable (names kept for old checkpoints)
-        "epoch": get("state/epoch", [], tf.int64, tf.zeros_initializer(),
-                     trainable=False),
-        "examples": get("state/epoch_examples", [], tf.int64,
-                        tf.zeros_initializer(), trainable=False),
-        "best_val": get("state/best_val_accuracy", [], tf.float32,
-                        tf.constant_initializer(-1.0), trainable=False)}
-    self._feeds = {k: tf.compat.v1.placeholder(v.dtype.base_dtype, [])
-                   for k, v in self._vars.items()}
-    self._assign = tf.group(*[v.assign(self._feeds[k]) for k, v in self._vars.items()])
-    self.optional = []
-
-  def add_epoch_sums(self):
-    get = tf.compat.v1.get_variable
-    sums = {"loss_sum": get("state/epoch_loss_sum", [], tf.float64,
-                            tf.zeros_initializer(), trainable=False),
-            "accuracy_sum": get("state/epoch_accuracy_sum", [], tf.float64,
-                                tf.zeros_initializer(), trainable=False),
-            "summed_steps": get("state/epoch_summed_steps", [], tf.int64,
-                                tf.zeros_initializer(), trainable=False)}
-    feeds = {k: tf.compat.v1.placeholder(v.dtype.base_dtype, []) for k, v in sums.items()}
-    self._assign = tf.group(self._assign, *[v.assign(feeds[k]) for k, v in sums.items()])
-    self._vars.update(sums)
-    self._feeds.update(feeds)
-    self.optional = list(sums.values())
-
-  def add_averaging(self):
-    """Which weights won the best validation (runs with --ema_decay only)."""
-    var = tf.compat.v1.get_variable("state/best_averaged", [], tf.bool,
-                                    tf.constant_initializer(False), trainable=False)
-    feed = tf.compat.v1.placeholder(tf.bool, [])
-    self._assign = tf.group(self._assign, var.assign(feed))
-    self._vars["best_averaged"] = var
-    self._feeds["best_averaged"] = feed
-
-  def load(self, sess):
-    """The position held by the variables (after a restore or an init)."""
-    values = sess.run({"step": self.global_step, **self._vars})
-    return Position(**{k: v.item() for k, v in values.items()})
-
-  def save(self, sess, saver, folder, pos):
-    """Writes `pos` into the variables, then a checkpoint into `folder`."""
-    sess.run(self._assign, {self._feeds[k]: getattr(pos, k) for k in self._vars})
-    return saver.save(sess, os.path.join(folder, "model.ckpt"), self.global_step,
-                      write_meta_graph=False)
-
-
-# --------------------------------------------------------------------------
 # The graph
 
 TrainGraph = collections.namedtuple("TrainGraph", [
@@ -281,7 +133,7 @@ def build_graph(cfg, s, devices, fixed_batch):
   graph = tf.Graph()
   with graph.as_default(), distributed.device_scope(s.cluster):
     tf.compat.v1.set_random_seed(s.seed)
-    state = RunState()
+    state = run_state.RunState()
     if s.dataset == "multimnist":
       pipe = multimnist.train_pipeline(s.batch_size, s.multimnist_shift)
       images, labels, targets = pipe.batch
@@ -315,8 +167,9 @@ def build_graph(cfg, s, devices, fixed_batch):
     state.add_epoch_sums()
     eval_averaged = None
     if s.ema_decay:   # created last: the graph of a run without it is unchanged
-      train_op, eval_averaged = weight_averaging(cfg, s, state, train_op, devices[0],
-                                                 two_digits=targets is not None)
+      train_op, eval_averaged = averaging.weight_averaging(
+          cfg, s.ema_decay, s.eval_batch_size, state, train_op, devices[0],
+          two_digits=targets is not None)
     saver_latest = tf.compat.v1.train.Saver(max_to_keep=2, save_relative_paths=True)
     saver_best = tf.compat.v1.train.Saver(max_to_keep=1, save_relative_paths=True)
     saver_without_optional = tf.compat.v1.train.Saver(
@@ -328,36 +181,6 @@ def build_graph(cfg, s, devices, fixed_batch):
   return TrainGraph(graph, state, pipe, lr, train_op, loss, accuracy, summary, ev,
                     eval_averaged, diag, saver_latest, saver_best,
                     saver_without_optional, init, init_optional, coordination)
-
-
-def weight_averaging(cfg, s, state, train_op, device, two_digits):
-  """An exponential moving average of the model variables, updated after
-  each step, and an evaluation graph that reads the averages.
-
-  `tf.train.ExponentialMovingAverage` with `num_updates` = the global step,
-  so the decay is min(--ema_decay, (1 + step) / (10 + step)): the early
-  averages follow the weights. The shadow variables
-  (`<variable>/ExponentialMovingAverage`) are in every checkpoint; the raw
-  weights' updates are the same ops as without them.
-
-  Returns: (the train op with the average's update after it, an `EvalGraph`
-    on the averaged weights).
-  """
-  ema = tf.compat.v1.train.ExponentialMovingAverage(s.ema_decay,
-                                                    num_updates=state.global_step)
-  model_vars = [v for v in tf.compat.v1.trainable_variables()
-                if v.op.name.startswith("capsnet/")]
-  with tf.control_dependencies([train_op]):
-    train_op = ema.apply(model_vars)
-  state.add_averaging()
-
-  def averaged(getter, *args, **kwargs):
-    return ema.average(getter(*args, **kwargs))
-  with tf.compat.v1.variable_scope(tf.compat.v1.get_variable_scope(),
-                                   custom_getter=averaged), \
-      tf.name_scope("averaged"):
-    ev = evaluation.build(cfg, s.eval_batch_size, device, two_digits=two_digits)
-  return train_op, ev
 
 
 def _summaries(out, images, lr):
@@ -396,73 +219,6 @@ def session_config(devices, log_device_placement=False):
 # --------------------------------------------------------------------------
 # The loop
 
-# The signals that stop a run with a checkpoint: Ctrl-C, and what a machine
-# sends (SIGTERM: kill, a batch scheduler's preemption, docker stop, a
-# Kubernetes eviction, systemd; SIGHUP: a closed terminal).
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-
-
-class Quit(KeyboardInterrupt):
-  """A second stop signal: quit at once, without a checkpoint (a
-  KeyboardInterrupt, so that no `except Exception` on the way catches it)."""
-
-  def __init__(self, signum):
-    super().__init__(signal.Signals(signum).name)
-    self.signum = signum
-
-
-class StopRequest:
-  """A stop signal once: stop after this step and save, then exit with
-  128 + its number. Twice: quit at once, but never in the middle of writing
-  a checkpoint (it finishes first)."""
-
-  def __init__(self):
-    self.requested = False
-    self.signum = None
-    self.saving = False
-    self.quit_after_save = None
-
-  @property
-  def exit_status(self):
-    return 128 + self.signum
-
-  def __call__(self, signum, frame):
-    if self.requested and self.saving:
-      self.quit_after_save = signum
-    elif self.requested:
-      raise Quit(signum)
-    else:
-      self.requested, self.signum = True, signum
-      tqdm.tqdm.write(f"{signal.Signals(signum).name}: saving a checkpoint at the end "
-                      "of this step (Ctrl-C again to quit without saving)")
-
-  @contextlib.contextmanager
-  def deferred(self):
-    """A second signal inside waits until the block is done."""
-    self.saving = True
-    try:
-      yield
-    finally:
-      self.saving = False
-    if self.quit_after_save is not None:
-      raise Quit(self.quit_after_save)
-
-  @contextlib.contextmanager
-  def installed(self):
-    """Handles `STOP_SIGNALS` inside (the previous handlers back after)."""
-    previous = {sig: signal.signal(sig, self) for sig in STOP_SIGNALS}
-    try:
-      yield self
-    finally:
-      for sig, handler in previous.items():
-        signal.signal(sig, handler)
-
-
-def _ignore_stop_signals():
-  for sig in STOP_SIGNALS:
-    signal.signal(sig, signal.SIG_IGN)
-
-
 # What one call of `train` works with.
 Run = collections.namedtuple("Run", ["sess", "g", "s", "folder", "splits", "writer",
                                      "stop", "chief"])
@@ -473,7 +229,7 @@ def main(argv):
   tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.ERROR)  # deprecations
   try:
     cfg = config.model_config_from_flags(FLAGS)
-    s = settings_from_flags(FLAGS)
+    s = config.settings_from_flags(FLAGS)
     if s.cluster and cfg.precision == "bf16":
       raise ValueError("--precision=bf16 on a cluster: TensorFlow's distributed "
                        "runtime fuses the bfloat16 Conv1 into an op without a "
@@ -496,7 +252,7 @@ def main(argv):
       run_lock.release(undo=True)
     sys.exit(f"train.py: error: {e}")
   try:
-    run_training(cfg, s, tower_devices(s.device, s.num_gpus), splits)
+    run_training(cfg, s, config.tower_devices(s.device, s.num_gpus), splits)
   finally:
     if run_lock:
       run_lock.release()
@@ -510,8 +266,8 @@ def run_training(cfg, s, devices, splits):
     sys.exit(f"train.py: error: {e}")
   except OSError as e:
     sys.exit(f"train.py: error: {e.filename or s.logdir}: {e.strerror or e}")
-  except Quit as e:
-    _ignore_stop_signals()
+  except stopping.Quit as e:
+    stopping.ignore_stop_signals()
     print(f"{signal.Signals(e.signum).name} again: quit without saving; the last "
           f"checkpoint is {runs.RunFolder(s.logdir).latest_checkpoint('latest')}",
           file=sys.stderr)
@@ -521,7 +277,7 @@ def run_training(cfg, s, devices, splits):
     # running can abort the process ("exception not rethrown").
     os._exit(128 + e.signum)
   except SystemExit:   # stopped by a signal and saved: a later one changes nothing
-    _ignore_stop_signals()
+    stopping.ignore_stop_signals()
     raise
 
 
@@ -544,7 +300,7 @@ def train(cfg, s, devices, splits):
   g = build_graph(cfg, s, devices, fixed_batch)
   folder = runs.RunFolder(s.logdir)
   chief = cluster.is_chief(s.cluster)
-  stop, runner = StopRequest(), None
+  stop, runner = stopping.StopRequest(), None
   try:
     with stop.installed(), open_session(g, s, devices, server) as sess:
       pos, resumed = restore_or_init(sess, g, folder) if chief else (g.state.load(sess), True)

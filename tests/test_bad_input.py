@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+import config
 import train
 from capsnet import model
 from conftest import QUICK, ROOT, last_line, needs_mnist, train_here
@@ -45,7 +46,7 @@ def _settings(**changes):
                 diag_every=0, val_every=0, progress=False, cluster=None, workers=1,
                 sync=True, cluster_wait_secs=60, multimnist_shift=4, ema_decay=0.0,
                 adopt_checkpoints=False)
-  return train.Settings(**dict(values, **changes))
+  return config.Settings(**dict(values, **changes))
 
 
 @pytest.mark.parametrize("field,value", [

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import train
 from capsnet import runs
+from capsnet import stopping
 from conftest import (QUICK, TIMING, last_line, latest_step, listed, needs_mnist, rows,
                       start, train_here, wait_until, weights_sha256)
 
@@ -36,7 +36,7 @@ def test_full_disk_while_saving_ends_in_one_line_and_listed_checkpoints_load(sma
 
 
 def test_second_ctrl_c_waits_for_the_checkpoint_being_written():
-  stop = train.StopRequest()
+  stop = stopping.StopRequest()
   stop(signal.SIGINT, None)
   assert stop.requested
   with pytest.raises(KeyboardInterrupt):

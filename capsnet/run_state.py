@@ -1,0 +1,83 @@
+"""Where a training run is, kept in variables so that every checkpoint holds
+it: the global step, the completed epochs, the position in the current
+epoch's data order, the best validation accuracy (and, with weight
+averaging, whose weights won it), and the running sums of the epoch's loss
+and accuracy. Restoring a checkpoint restores the position; train.py resumes
+from it exactly.
+"""
+import dataclasses
+import os
+
+import tensorflow as tf
+
+
+@dataclasses.dataclass
+class Position:
+  """Where a run is. Saved with the weights, so that a resume continues."""
+  step: int = 0             # global step
+  epoch: int = 0            # completed epochs
+  examples: int = 0         # examples of the current epoch already trained
+  best_val: float = -1.0    # best validation accuracy so far (-1: none)
+  best_averaged: bool = False  # the best checkpoint won with its averaged weights
+  loss_sum: float = 0.0     # sums over the current epoch's steps, for its
+  accuracy_sum: float = 0.0  # metrics row (float64, added in step order)
+  summed_steps: int = 0     # steps in those sums
+
+
+class RunState:
+  """A `Position` kept in variables, so that every checkpoint holds it.
+
+  The epoch sums were added later: their variables are created after the
+  model's (`add_epoch_sums`), so that the model's initial weights did not
+  move (op seeds follow the graph's op count), and a checkpoint without them
+  restores with them at their defaults (`optional`).
+  """
+
+  def __init__(self):
+    self.global_step = tf.compat.v1.train.get_or_create_global_step()
+    get = tf.compat.v1.get_variable
+    self._vars = {   # Position field: variable (names kept for old checkpoints)
+        "epoch": get("state/epoch", [], tf.int64, tf.zeros_initializer(),
+                     trainable=False),
+        "examples": get("state/epoch_examples", [], tf.int64,
+                        tf.zeros_initializer(), trainable=False),
+        "best_val": get("state/best_val_accuracy", [], tf.float32,
+                        tf.constant_initializer(-1.0), trainable=False)}
+    self._feeds = {k: tf.compat.v1.placeholder(v.dtype.base_dtype, [])
+                   for k, v in self._vars.items()}
+    self._assign = tf.group(*[v.assign(self._feeds[k]) for k, v in self._vars.items()])
+    self.optional = []
+
+  def add_epoch_sums(self):
+    get = tf.compat.v1.get_variable
+    sums = {"loss_sum": get("state/epoch_loss_sum", [], tf.float64,
+                            tf.zeros_initializer(), trainable=False),
+            "accuracy_sum": get("state/epoch_accuracy_sum", [], tf.float64,
+                                tf.zeros_initializer(), trainable=False),
+            "summed_steps": get("state/epoch_summed_steps", [], tf.int64,
+                                tf.zeros_initializer(), trainable=False)}
+    feeds = {k: tf.compat.v1.placeholder(v.dtype.base_dtype, []) for k, v in sums.items()}
+    self._assign = tf.group(self._assign, *[v.assign(feeds[k]) for k, v in sums.items()])
+    self._vars.update(sums)
+    self._feeds.update(feeds)
+    self.optional = list(sums.values())
+
+  def add_averaging(self):
+    """Which weights won the best validation (runs with --ema_decay only)."""
+    var = tf.compat.v1.get_variable("state/best_averaged", [], tf.bool,
+                                    tf.constant_initializer(False), trainable=False)
+    feed = tf.compat.v1.placeholder(tf.bool, [])
+    self._assign = tf.group(self._assign, var.assign(feed))
+    self._vars["best_averaged"] = var
+    self._feeds["best_averaged"] = feed
+
+  def load(self, sess):
+    """The position held by the variables (after a restore or an init)."""
+    values = sess.run({"step": self.global_step, **self._vars})
+    return Position(**{k: v.item() for k, v in values.items()})
+
+  def save(self, sess, saver, folder, pos):
+    """Writes `pos` into the variables, then a checkpoint into `folder`."""
+    sess.run(self._assign, {self._feeds[k]: getattr(pos, k) for k in self._vars})
+    return saver.save(sess, os.path.join(folder, "model.ckpt"), self.global_step,
+                      write_meta_graph=False)

@@ -1,0 +1,74 @@
+"""Stopping a training run on a signal: finish the step, save, exit with
+128 + the signal's number; a second signal quits at once, but never in the
+middle of writing a checkpoint."""
+import contextlib
+import signal
+
+import tqdm
+
+
+# The signals that stop a run with a checkpoint: Ctrl-C, and what a machine
+# sends (SIGTERM: kill, a batch scheduler's preemption, docker stop, a
+# Kubernetes eviction, systemd; SIGHUP: a closed terminal).
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class Quit(KeyboardInterrupt):
+  """A second stop signal: quit at once, without a checkpoint (a
+  KeyboardInterrupt, so that no `except Exception` on the way catches it)."""
+
+  def __init__(self, signum):
+    super().__init__(signal.Signals(signum).name)
+    self.signum = signum
+
+
+class StopRequest:
+  """A stop signal once: stop after this step and save, then exit with
+  128 + its number. Twice: quit at once, but never in the middle of writing
+  a checkpoint (it finishes first)."""
+
+  def __init__(self):
+    self.requested = False
+    self.signum = None
+    self.saving = False
+    self.quit_after_save = None
+
+  @property
+  def exit_status(self):
+    return 128 + self.signum
+
+  def __call__(self, signum, frame):
+    if self.requested and self.saving:
+      self.quit_after_save = signum
+    elif self.requested:
+      raise Quit(signum)
+    else:
+      self.requested, self.signum = True, signum
+      tqdm.tqdm.write(f"{signal.Signals(signum).name}: saving a checkpoint at the end "
+                      "of this step (Ctrl-C again to quit without saving)")
+
+  @contextlib.contextmanager
+  def deferred(self):
+    """A second signal inside waits until the block is done."""
+    self.saving = True
+    try:
+      yield
+    finally:
+      self.saving = False
+    if self.quit_after_save is not None:
+      raise Quit(self.quit_after_save)
+
+  @contextlib.contextmanager
+  def installed(self):
+    """Handles `STOP_SIGNALS` inside (the previous handlers back after)."""
+    previous = {sig: signal.signal(sig, self) for sig in STOP_SIGNALS}
+    try:
+      yield self
+    finally:
+      for sig, handler in previous.items():
+        signal.signal(sig, handler)
+
+
+def ignore_stop_signals():
+  for sig in STOP_SIGNALS:
+    signal.signal(sig, signal.SIG_IGN)
