@@ -29,12 +29,12 @@ import tensorflow as tf  # noqa: E402
 import config  # noqa: E402
 from capsnet import evaluation  # noqa: E402
 from capsnet import files  # noqa: E402
-from capsnet import data  # noqa: E402
 from capsnet import model  # noqa: E402
 from capsnet import multimnist  # noqa: E402
 from capsnet import pictures  # noqa: E402
 from capsnet import runs  # noqa: E402
 from capsnet import serving  # noqa: E402
+from capsnet import tasks  # noqa: E402
 
 
 PERTURBATIONS = np.round(np.arange(-0.25, 0.2501, 0.05), 2)   # 11 values
@@ -152,16 +152,12 @@ def evaluate_split(cfg, ckpt, run_dir, train_settings, s):
   if s.split == "validation" and not val_size:
     raise runs.RunError(f"--split=validation: {run_dir} was trained with "
                         "--val_size=0, so it has no validation split")
-  data_dir = s.data_dir or config.default_data_dir(dataset)
-  if dataset == "multimnist":
-    splits = multimnist.load(data.load("mnist", data_dir, val_size, s.download),
-                             train_settings.get("multimnist_shift", multimnist.PAIR_SHIFT))
-  else:
-    splits = data.load(dataset, data_dir, val_size, s.download)
+  task = tasks.get(dataset, train_settings.get("multimnist_shift", multimnist.PAIR_SHIFT))
+  splits = task.load(s.data_dir or config.default_data_dir(dataset), val_size, s.download)
   s = dataclasses.replace(s, dataset=dataset, out_dir=s.out_dir or os.path.join(
       run_dir, f"eval_{os.path.basename(ckpt)}_r{cfg.iter_routing}_{s.split}"))
   make_writable_folder(s.out_dir)
-  evaluate(cfg, ckpt, splits[s.split], s)
+  evaluate(cfg, ckpt, task, splits[s.split], s)
 
 
 def classify_files(cfg, ckpt, s):
@@ -213,15 +209,15 @@ def make_writable_folder(path):
     raise runs.RunError(f"--out_dir={path}: cannot write there ({e.strerror})") from None
 
 
-def evaluate(cfg, ckpt, split, s):
-  """Scores a split, (images, labels) or for MultiMNIST (images, labels,
-  targets), with the checkpoint; writes to s.out_dir and prints the report."""
+def evaluate(cfg, ckpt, task, split, s):
+  """Scores a split of the `task`'s data, (images, labels) or for MultiMNIST
+  (images, labels, targets), with the checkpoint; writes to s.out_dir and
+  prints the report."""
   out_dir = s.out_dir
   images, labels = split[:2]
-  two_digits = len(split) == 3
   with tf.Graph().as_default():
     ev = evaluation.build(cfg, s.batch_size, config.resolve_device(s.device, "eval.py"),
-                          two_digits=two_digits, routing_stats=True)
+                          task, routing_stats=True)
     figure4 = None
     if cfg.use_decoder:
       v_in = tf.compat.v1.placeholder(ev.outputs.v.dtype, ev.outputs.v.shape)
@@ -237,17 +233,18 @@ def evaluate(cfg, ckpt, split, s):
                     split=s.split, iter_routing=cfg.iter_routing, weights=weights,
                     routing_uniform_entropy=float(np.log(cfg.num_classes)))
       files.write_json(os.path.join(out_dir, "results.json"), result)
-      write_predictions(os.path.join(out_dir, "predictions.csv"), labels, res)
-      if two_digits and cfg.use_decoder:
+      write_predictions(os.path.join(out_dir, "predictions.csv"), labels, res,
+                        task.two_digits)
+      if task.two_digits and cfg.use_decoder:
         write_figure5(sess, ev, split, os.path.join(out_dir, "figure5.png"))
       elif figure4 and cfg.image_channels == 1:
         write_pictures(sess, ev, figure4, images, labels, cfg, s, out_dir)
   print_report(result, out_dir)
 
 
-def write_predictions(path, labels, res):
-  """One line an example: index, label(s), prediction(s), capsule lengths."""
-  two = np.ndim(labels) == 2
+def write_predictions(path, labels, res, two):
+  """One line an example: index, label(s), prediction(s), capsule lengths
+  (`two`: two labels and predictions an image)."""
   head = "label_a,label_b,prediction_a,prediction_b" if two else "label,prediction"
   lines = [f"index,{head}," + ",".join(
       f"length_{k}" for k in range(res["lengths"].shape[1]))]

@@ -38,10 +38,10 @@ from capsnet import distributed  # noqa: E402
 from capsnet import evaluation  # noqa: E402
 from capsnet import data  # noqa: E402
 from capsnet import model  # noqa: E402
-from capsnet import multimnist  # noqa: E402
 from capsnet import run_state  # noqa: E402
 from capsnet import runs  # noqa: E402
 from capsnet import stopping  # noqa: E402
+from capsnet import tasks  # noqa: E402
 
 config.define_train_flags()
 FLAGS = flags.FLAGS
@@ -62,6 +62,11 @@ class TrainingError(Exception):
 # --------------------------------------------------------------------------
 # Settings
 
+def task_of(s):
+  """The settings' data set as a `tasks` task."""
+  return tasks.get(s.dataset, s.multimnist_shift)
+
+
 def load_splits(s, cfg):
   """train/validation/test arrays of the settings' data set, checked
   against the model config.
@@ -70,11 +75,7 @@ def load_splits(s, cfg):
   for images or labels the model cannot take, or a batch larger than the
   training split.
   """
-  if s.dataset == "multimnist":
-    splits = multimnist.load(data.load("mnist", s.data_dir, s.val_size, s.download),
-                             s.multimnist_shift)
-  else:
-    splits = data.load(s.dataset, s.data_dir, s.val_size, s.download)
+  splits = task_of(s).load(s.data_dir, s.val_size, s.download)
   if s.train_size:
     splits["train"] = tuple(a[:s.train_size] for a in splits["train"])
   images, labels = splits["test"][:2]
@@ -134,42 +135,38 @@ def build_graph(cfg, s, devices, fixed_batch):
   with graph.as_default(), distributed.device_scope(s.cluster):
     tf.compat.v1.set_random_seed(s.seed)
     state = run_state.RunState()
-    if s.dataset == "multimnist":
-      pipe = multimnist.train_pipeline(s.batch_size, s.multimnist_shift)
-      images, labels, targets = pipe.batch
-    else:
-      shard = (s.cluster.index if s.cluster else 0, s.workers)
-      pipe = data.fed_pipeline([cfg.image_size, cfg.image_size, cfg.image_channels],
-                               s.batch_size, augment=True, drop_remainder=True,
-                               name="train_input", shard=shard)
-      (images, labels), targets = pipe.batch, None
+    task = task_of(s)
+    pipe = task.train_pipeline([cfg.image_size, cfg.image_size, cfg.image_channels],
+                               s.batch_size, (s.cluster.index if s.cluster else 0,
+                                              s.workers))
+    images, labels, targets = pipe.batch
     lr = tf.compat.v1.train.exponential_decay(
         s.learning_rate, state.global_step, s.decay_steps, s.decay_rate)
     opt = distributed.wrap_optimizer(tf.compat.v1.train.AdamOptimizer(lr), s.cluster,
                                      s.sync)
     grads, outs = model.tower_gradients(
         images, labels, cfg, opt, devices, targets=targets,
-        variable_device=distributed.variable_device(s.cluster))
+        variable_device=distributed.variable_device(s.cluster),
+        two_digits=task.two_digits)
     train_op = opt.apply_gradients(grads, state.global_step)
     n = float(len(outs))
     loss = tf.add_n([o.loss for o in outs]) / n
     accuracy = tf.add_n([o.accuracy for o in outs]) / n
     summary = _summaries(outs[0], images, lr)
-    ev = evaluation.build(cfg, s.eval_batch_size, devices[0],
-                          two_digits=targets is not None)
+    ev = evaluation.build(cfg, s.eval_batch_size, devices[0], task)
     diag = {}
     if s.diag_every:
       with tf.compat.v1.device(devices[0]), tf.name_scope("diagnostic"):
         fixed = [tf.constant(a) for a in fixed_batch]
         diag = model.gradient_diagnostic(
             tf.cast(fixed[0], tf.float32) / 255.0, fixed[1], cfg, devices[0],
-            tf.cast(fixed[2], tf.float32) / 255.0 if len(fixed) > 2 else None)
+            tf.cast(fixed[2], tf.float32) / 255.0 if len(fixed) > 2 else None,
+            two_digits=task.two_digits)
     state.add_epoch_sums()
     eval_averaged = None
     if s.ema_decay:   # created last: the graph of a run without it is unchanged
       train_op, eval_averaged = averaging.weight_averaging(
-          cfg, s.ema_decay, s.eval_batch_size, state, train_op, devices[0],
-          two_digits=targets is not None)
+          cfg, s.ema_decay, s.eval_batch_size, state, train_op, devices[0], task)
     saver_latest = tf.compat.v1.train.Saver(max_to_keep=2, save_relative_paths=True)
     saver_best = tf.compat.v1.train.Saver(max_to_keep=1, save_relative_paths=True)
     saver_without_optional = tf.compat.v1.train.Saver(
@@ -289,10 +286,7 @@ def train(cfg, s, devices, splits):
   signal (Ctrl-C: 130, SIGTERM: 143, SIGHUP: 129), once the checkpoint is
   saved. On a cluster only the chief restores, validates, saves and writes.
   """
-  if s.dataset == "multimnist":   # fixed pairs: the first 32 of validation
-    fixed_batch = tuple(a[:32] for a in splits["validation"])
-  else:
-    fixed_batch = tuple(a[:32] for a in splits["train"])
+  fixed_batch = task_of(s).fixed_batch(splits)
   devices = distributed.worker_devices(s.cluster, devices)
   server = distributed.start_server(s.cluster) if s.cluster else None
   if s.cluster:
@@ -464,17 +458,12 @@ def run_epoch(run, pos):
   settings ask). Returns: the `EpochStats` of the steps it ran.
   """
   sess, g, s = run.sess, run.g, run.s
-  train_x, train_y = run.splits["train"]
-  order = data.shard_order(data.epoch_order(len(train_x), s.seed, pos.epoch),
+  order = data.shard_order(data.epoch_order(len(run.splits["train"][1]), s.seed, pos.epoch),
                            s.batch_size, s.cluster.index if s.cluster else 0,
                            s.workers)[pos.examples // s.workers:]
   done_batches = pos.examples // (s.batch_size * s.workers)
-  feed = {g.input.seed: s.seed * 100003 + pos.epoch, g.input.first_batch: done_batches}
-  if s.dataset == "multimnist":   # the digits once; pairs drawn in the pipeline
-    feed.update({g.input.images: train_x, g.input.labels: train_y,
-                 g.input.order: order})
-  else:
-    feed.update({g.input.images: train_x[order], g.input.labels: train_y[order]})
+  feed = {g.input.seed: s.seed * 100003 + pos.epoch, g.input.first_batch: done_batches,
+          **task_of(s).epoch_feed(g.input, run.splits["train"], order)}
   sess.run(g.input.iterator.initializer, feed)
   bar = tqdm.tqdm(total=steps_per_epoch(run), initial=done_batches,
                   desc=f"epoch {pos.epoch + 1}/{s.epochs}", disable=not s.progress,

@@ -6,8 +6,7 @@ import tensorflow as tf
 from capsnet import evaluation
 
 
-def weight_averaging(cfg, ema_decay, eval_batch_size, state, train_op, device,
-                     two_digits):
+def weight_averaging(cfg, ema_decay, eval_batch_size, state, train_op, device, task):
   """An exponential moving average of the model variables, updated after
   each step, and an evaluation graph that reads the averages.
 
@@ -33,5 +32,5 @@ def weight_averaging(cfg, ema_decay, eval_batch_size, state, train_op, device,
   with tf.compat.v1.variable_scope(tf.compat.v1.get_variable_scope(),
                                    custom_getter=averaged), \
       tf.name_scope("averaged"):
-    ev = evaluation.build(cfg, eval_batch_size, device, two_digits=two_digits)
+    ev = evaluation.build(cfg, eval_batch_size, device, task)
   return train_op, ev

@@ -242,7 +242,7 @@ def _measure_input(settings, queue, n=55000, batches=200):
   batch = settings["batch_size"]
   with tf.Graph().as_default():
     pipe = data.fed_pipeline([28, 28, 1], batch, augment=True, drop_remainder=True)
-    nxt = pipe.batch
+    nxt = pipe.batch[:2]   # (images, labels)
     with tf.compat.v1.Session() as sess:
       order = data.epoch_order(n, 0, 0)
       sess.run(pipe.iterator.initializer, {

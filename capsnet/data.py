@@ -333,13 +333,20 @@ def dataset_options():
   return options
 
 
-Pipeline = collections.namedtuple("Pipeline", [
+Pipeline = collections.namedtuple("Pipeline", [   # every task's pipeline
     "images",       # uint8 placeholder [n, rows, cols, channels], fed at init
-    "labels",       # int32 placeholder [n]
-    "seed",         # int64 placeholder: augmentation seed (None without)
+                    #   (MultiMNIST training: the digits to pair)
+    "labels",       # int32 placeholder [n] ([n, 2]: MultiMNIST evaluation)
+    "targets",      # uint8 placeholder [n, 2, rows, cols, 1]: MultiMNIST
+                    #   evaluation's reconstruction targets; else None
+    "order",        # int64 placeholder [n]: MultiMNIST training's first
+                    #   digits, in the epoch's order; else None
+    "seed",         # int64 placeholder: the epoch's augmentation (or pair)
+                    #   seed; None without augmentation
     "first_batch",  # int64 placeholder: index of the first batch (None without)
     "iterator",     # run iterator.initializer with the placeholders fed
-    "batch",        # (images [batch, ...] float32 in [0, 1], labels [batch])
+    "batch",        # (images [batch, ...] float32 in [0, 1], labels, targets
+                    #   float32 in [0, 1] or None)
 ])
 
 
@@ -370,5 +377,6 @@ def fed_pipeline(image_shape, batch_size, augment=False, drop_remainder=False,
                       first_batch=0 if first_batch is None else first_batch,
                       shard=shard)
     iterator = tf.compat.v1.data.make_initializable_iterator(ds)
-    batch = iterator.get_next()
-  return Pipeline(images, labels, seed, first_batch, iterator, batch)
+    batch_images, batch_labels = iterator.get_next()
+  return Pipeline(images, labels, None, None, seed, first_batch, iterator,
+                  (batch_images, batch_labels, None))

@@ -8,39 +8,38 @@ import collections
 import numpy as np
 import tensorflow as tf
 
-from capsnet import data
+from capsnet import tasks
 from capsnet import model
 from capsnet import multimnist
 
 EvalGraph = collections.namedtuple(
     "EvalGraph", ["images", "labels", "iterator", "outputs", "batch_images", "targets",
-                  "routing"])
+                  "routing", "two_digits"])
 
 
-def build(cfg, batch_size, device=None, two_digits=False, routing_stats=False):
+def build(cfg, batch_size, device=None, task=None, routing_stats=False):
   """Eval pipeline on the CPU and `model.forward(training=False)` on `device`.
 
   Args:
-    two_digits: MultiMNIST: `[n, 2]` labels and the two targets.
+    task: the data set's `tasks` task (default: MNIST's); MultiMNIST's has
+      `[n, 2]` labels and the two targets.
     routing_stats: also build `routing_movement` of the couplings (eval.py);
       off in train.py, whose graph stays as it was.
   Returns: an `EvalGraph`; `images`/`labels` (and `targets`, or None) are the
   placeholders to feed at `iterator.initializer`, `batch_images` the current
   batch's images, `routing` the per-example routing figures or None.
   """
-  if two_digits:
-    pipe = multimnist.eval_pipeline(batch_size, size=cfg.image_size)
-    batch_images, batch_labels, batch_targets = pipe.batch
-  else:
-    pipe = data.fed_pipeline([cfg.image_size, cfg.image_size, cfg.image_channels],
-                             batch_size, name="eval_input")
-    (batch_images, batch_labels), batch_targets = pipe.batch, None
+  task = task or tasks.get("mnist")
+  pipe = task.eval_pipeline([cfg.image_size, cfg.image_size, cfg.image_channels],
+                            batch_size)
+  batch_images, batch_labels, batch_targets = pipe.batch
   with tf.compat.v1.device(device), tf.name_scope("eval"):
     outputs = model.forward(batch_images, batch_labels, cfg, training=False,
-                            device=device, targets=batch_targets)
+                            device=device, targets=batch_targets,
+                            two_digits=task.two_digits)
     routing = routing_movement(outputs.couplings) if routing_stats else None
   return EvalGraph(pipe.images, pipe.labels, pipe.iterator, outputs, batch_images,
-                   getattr(pipe, "targets", None), routing)
+                   pipe.targets, routing, task.two_digits)
 
 
 def routing_movement(couplings):
@@ -101,7 +100,7 @@ def run(sess, graph, images, labels, targets=None):
   for key in ("routing_entropy", "routing_max_c"):
     if key in res:   # per example and iteration -> per iteration
       res[key] = res[key].mean(axis=0).tolist()
-  if np.ndim(labels) == 2:
+  if graph.two_digits:
     exact, one = multimnist.top2_scores(res["lengths"], labels)
     res.update(accuracy=exact, error_percent=100.0 * (1.0 - exact), at_least_one=one)
     return res

@@ -133,15 +133,15 @@ Outputs = collections.namedtuple("Outputs", [
 
 
 def forward(images, labels, cfg, training, digit_caps=layers.digit_caps, device=None,
-            targets=None):
+            targets=None, two_digits=False):
   """Builds CapsNet on `images` in variable scope `capsnet` (AUTO_REUSE).
 
   Calling it again (another tower, an eval graph) reuses the same variables.
 
   Args:
     images: `[batch, image_size, image_size, image_channels]` in [0, 1].
-    labels: `[batch]` int class ids, or `[batch, 2]` for two digits of
-      different classes an image (MultiMNIST, Section 6).
+    labels: `[batch]` int class ids, or with `two_digits` `[batch, 2]`: two
+      digits of different classes an image (MultiMNIST, Section 6).
     cfg: a `ModelConfig`.
     training: if True the decoder sees the capsules masked by the true label,
       otherwise by the predicted class (two digits: by each label in turn,
@@ -151,12 +151,16 @@ def forward(images, labels, cfg, training, digit_caps=layers.digit_caps, device=
     digit_caps: the DigitCaps layer, with the signature and results of
       `layers.digit_caps` (the benchmark passes its naive baseline).
     device: the device the model is placed on, for `conv_impl="auto"`.
+    two_digits: the task's images hold two digits (`tasks.DigitPairs`).
   Returns: an `Outputs` tuple.
   Raises:
-    ValueError: if `images` does not have the configured shape, or two
-      labels an image come without targets for the decoder.
+    ValueError: if `images` or `labels` do not have the shapes the config
+      and the task give, or two digits an image come without targets for
+      the decoder.
   """
-  two_digits = labels.shape.rank == 2
+  if labels.shape.rank != (2 if two_digits else 1):
+    raise ValueError(f"forward: labels must be [batch{', 2' if two_digits else ''}] "
+                     f"with two_digits={two_digits}, got shape {labels.shape}")
   if two_digits and cfg.use_decoder and targets is None:
     raise ValueError("forward: two labels an image need the two targets")
   expected = [cfg.image_size, cfg.image_size, cfg.image_channels]
@@ -273,7 +277,7 @@ def _placement(variable_device, compute_device):
 
 
 def tower_gradients(images, labels, cfg, optimizer, devices, variable_device=None,
-                    targets=None):
+                    targets=None, two_digits=False):
   """Splits the batch over towers and computes each tower's gradients.
 
   Towers are `tower_{i}` name scopes over one reused `capsnet` variable
@@ -284,6 +288,7 @@ def tower_gradients(images, labels, cfg, optimizer, devices, variable_device=Non
   Args:
     images, labels: the whole batch; its size must divide by len(devices).
     targets: the MultiMNIST reconstruction targets of the batch, or None.
+    two_digits: two labels an image (see `forward`).
     variable_device: where the variables go whatever the number of towers
       (a device, or a device function: the ps tasks of a cluster), or None.
     devices: one device string per tower, e.g. ["/gpu:0", "/gpu:1"].
@@ -304,7 +309,7 @@ def tower_gradients(images, labels, cfg, optimizer, devices, variable_device=Non
     with tf.compat.v1.device(_placement(variables_at, device)), \
         tf.name_scope(f"tower_{i}"):
       out = forward(image_parts[i], label_parts[i], cfg, training=True,
-                    device=device, targets=target_parts[i])
+                    device=device, targets=target_parts[i], two_digits=two_digits)
       all_grads.append(optimizer.compute_gradients(
           out.loss, colocate_gradients_with_ops=True))
       outputs.append(out)
@@ -339,7 +344,8 @@ def routing_entropy(c):
 DIAG_VARS = ("digit_caps/weights", "primary_caps/weights", "conv1/weights")
 
 
-def gradient_diagnostic(images, labels, cfg, device=None, targets=None):
+def gradient_diagnostic(images, labels, cfg, device=None, targets=None,
+                        two_digits=False):
   """How much of the gradient flows through the routing coefficients.
 
   Builds the model twice on the same variables and batch, with the stop on
@@ -353,7 +359,7 @@ def gradient_diagnostic(images, labels, cfg, device=None, targets=None):
     mode = dataclasses.replace(cfg, stop_gradient=stop)
     with tf.name_scope(f"diag_stop_{stop}"):
       out = forward(images, labels, mode, training=True, device=device,
-                    targets=targets)
+                    targets=targets, two_digits=two_digits)
     variables = {v.op.name: v for v in tf.compat.v1.trainable_variables()}
     wrt = [variables["capsnet/" + n] for n in DIAG_VARS]
     grads[stop] = tf.gradients(out.loss, wrt)

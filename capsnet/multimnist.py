@@ -13,7 +13,6 @@ shifted digits are kept: they are the reconstruction targets.
 - Validation and test pairs are fixed by a seed (`fixed_pairs`): one pair per
   digit of the split, that digit first, so every digit is a first digit once.
 """
-import collections
 
 import numpy as np
 import tensorflow as tf
@@ -139,19 +138,6 @@ def top2_scores(lengths, labels):
   return float((hits == 2).mean()), float((hits >= 1).mean())
 
 
-Pipeline = collections.namedtuple("Pipeline", [
-    "images",       # uint8 placeholder: MultiMNIST images (eval) or digits (train)
-    "labels",       # int32 placeholder: [n, 2] pair labels (eval) or [n] (train)
-    "targets",      # uint8 placeholder [n, 2, 36, 36, 1] (eval), else None
-    "order",        # int64 placeholder [n]: the epoch's first digits (train)
-    "seed",         # int64 placeholder (train): the epoch's pair seed
-    "first_batch",  # int64 placeholder (train): index of the first batch
-    "iterator",
-    "batch",        # (images float [b, 36, 36, 1], labels [b, 2], targets
-                    #  float [b, 2, 36, 36, 1]), in [0, 1]
-])
-
-
 def eval_pipeline(batch_size, name="eval_input", size=CANVAS):
   """Fixed pairs fed as arrays (`compose`), batched in order, the last
   partial batch kept."""
@@ -165,7 +151,7 @@ def eval_pipeline(batch_size, name="eval_input", size=CANVAS):
     iterator = tf.compat.v1.data.make_initializable_iterator(
         ds.prefetch(2).with_options(data.dataset_options()))
     batch = iterator.get_next()
-  return Pipeline(images, labels, targets, None, None, None, iterator, batch)
+  return data.Pipeline(images, labels, targets, None, None, None, iterator, batch)
 
 
 def train_pipeline(batch_size, max_shift=PAIR_SHIFT, name="train_input"):
@@ -189,7 +175,7 @@ def train_pipeline(batch_size, max_shift=PAIR_SHIFT, name="train_input"):
     iterator = tf.compat.v1.data.make_initializable_iterator(
         ds.prefetch(2).with_options(data.dataset_options()))
     batch = iterator.get_next()
-  return Pipeline(digits, labels, None, order, seed, first_batch, iterator, batch)
+  return data.Pipeline(digits, labels, None, order, seed, first_batch, iterator, batch)
 
 
 def _float(x):

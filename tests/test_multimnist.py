@@ -4,6 +4,7 @@ import json
 import os
 
 import numpy as np
+import pytest
 import tensorflow as tf
 
 from capsnet import losses
@@ -142,7 +143,16 @@ def test_paper_model_on_36x36_has_10x10x32_primary_capsules():
   with tf.Graph().as_default():
     images = tf.compat.v1.placeholder(tf.float32, [None, 36, 36, 1])
     out = model.forward(images, tf.zeros([1, 2], tf.int32), cfg, training=True,
-                        targets=tf.zeros([1, 2, 36, 36, 1]))
+                        targets=tf.zeros([1, 2, 36, 36, 1]), two_digits=True)
+    # the task says how many labels an image has; a rank that does not fit
+    # is refused, not guessed
+    with pytest.raises(ValueError, match=r"labels must be \[batch, 2\] with "
+                       r"two_digits=True, got shape \(1,\)"):
+      model.forward(images, tf.zeros([1], tf.int32), cfg, training=True,
+                    targets=tf.zeros([1, 2, 36, 36, 1]), two_digits=True)
+    with pytest.raises(ValueError, match=r"labels must be \[batch\] with "
+                       r"two_digits=False, got shape \(1, 2\)"):
+      model.forward(images, tf.zeros([1, 2], tf.int32), cfg, training=True)
     count = sum(int(np.prod(v.shape)) for v in tf.compat.v1.trainable_variables())
   # W alone: 3200 x 10 x 8 x 16; the decoder's output layer has 36 * 36 units.
   assert count == 11_361_808
@@ -198,3 +208,32 @@ def test_multimnist_training_and_evaluation_smoke(tmp_path):
   tile = (36 * 2 + 2) * 3 + 14
   assert picture.shape == (2 * tile + 6, 6 * 36 * 3 + 5 * 6, 3)
   assert "both digits right:" in proc.stdout
+
+
+def test_tasks_say_what_each_data_set_is():
+  from capsnet import tasks
+  mnist, fashion, pairs = (tasks.get(n, 6) for n in ("mnist", "fashion_mnist", "multimnist"))
+  assert (mnist.two_digits, fashion.two_digits, pairs.two_digits) == (False, False, True)
+  assert (mnist.files, fashion.files, pairs.files) == ("mnist", "fashion_mnist", "mnist")
+  assert pairs.pair_shift == 6
+  splits = {"train": (np.arange(40).reshape(40, 1), np.arange(40)),
+            "validation": (np.arange(50).reshape(50, 1), np.arange(50))}
+  assert mnist.fixed_batch(splits)[1].tolist() == list(range(32))     # training
+  assert len(pairs.fixed_batch(splits)[0]) == 32
+  assert pairs.fixed_batch(splits)[0][0, 0] == 0 and pairs.fixed_batch(splits)[1][-1] == 31
+  with pytest.raises(ValueError, match=r"--dataset=cifar: expected one of "
+                     r"\['fashion_mnist', 'mnist', 'multimnist'\]"):
+    tasks.get("cifar")
+  with tf.Graph().as_default():
+    digits = mnist.train_pipeline([28, 28, 1], 8, (0, 1))
+    both = pairs.train_pipeline([36, 36, 1], 8, (0, 1))
+    order = np.arange(4)
+    feed = mnist.epoch_feed(digits, splits["train"], order)
+    assert set(feed) == {digits.images, digits.labels}
+    assert feed[digits.labels].tolist() == [0, 1, 2, 3]
+    feed = pairs.epoch_feed(both, splits["train"], order)
+    assert set(feed) == {both.images, both.labels, both.order}
+    assert len(feed[both.images]) == 40          # the digits once, paired on the fly
+    assert digits.batch[2] is None and both.batch[2] is not None
+    with pytest.raises(ValueError, match="does not run on a cluster yet"):
+      pairs.train_pipeline([36, 36, 1], 8, (1, 2))
