@@ -13,27 +13,37 @@ for Conv1 and 0.1 elsewhere, every bias 0.1, PrimaryCaps as a one-iteration
 capsule layer over its 32 types (`primary_caps`) and DigitCaps with a learned
 bias on `s_j` (`digit_caps`).
 
-Every layer takes plain ints. `compute_dtype` (None or tf.bfloat16) is the
-dtype in which a layer's convolution or large matmul runs (mixed precision):
-variables are float32 (or the input's dtype without a compute dtype), Conv1's
-output stays in the compute dtype for the PrimaryCaps convolution, and the
-capsules, routing and decoder outputs are float32 again. `conv_impl` picks how
+Every layer takes plain ints, and a `Precision` (decided once, from the
+config, by `model.precision_policy`): the variables' dtype, and the compute
+dtype in which a layer's convolution or large matmul runs (bfloat16 under
+mixed precision). Conv1's output stays in the compute dtype for the
+PrimaryCaps convolution; the capsules, routing and decoder outputs are in
+the variables' dtype again. Without a `Precision` a layer computes in its
+input's dtype. `conv_impl` picks how
 the convolutions are computed (`fast_conv.choose_method`); every choice gives
 the same values and gradients.
 """
+import collections
+
 import tensorflow as tf
 
 from capsnet import fast_conv
 from capsnet import routing
 
 
+Precision = collections.namedtuple("Precision", [
+    "variables",   # dtype of the variables, capsules, routing and outputs
+    "compute",     # dtype of the convolutions and the decoder's matmuls
+])
+
+
+def _precision(precision, x):
+  """`precision`, or `x`'s dtype for both."""
+  return precision or Precision(x.dtype, x.dtype)
+
+
 def _cast(x, dtype):
-  return x if dtype is None or x.dtype == dtype else tf.cast(x, dtype)
-
-
-def _variable_dtype(x):
-  """float32 for bfloat16 activations (mixed precision), else x's dtype."""
-  return tf.float32 if x.dtype == tf.bfloat16 else x.dtype
+  return x if x.dtype == dtype else tf.cast(x, dtype)
 
 
 def _initializers(official, stddev=0.1):
@@ -44,7 +54,7 @@ def _initializers(official, stddev=0.1):
   return tf.compat.v1.glorot_uniform_initializer(), tf.compat.v1.zeros_initializer()
 
 
-def _conv(x, kernel, channels, stride, compute_dtype, conv_impl, relu=False,
+def _conv(x, kernel, channels, stride, precision, conv_impl, relu=False,
           initializers=None, scale=None):
   """VALID convolution with bias (and ReLU); variables `weights`, `biases`.
 
@@ -55,24 +65,23 @@ def _conv(x, kernel, channels, stride, compute_dtype, conv_impl, relu=False,
     scale: if given, the convolution's output (not its bias) is multiplied
       by it, as the kernel is before the convolution (a power of two is
       exact in every dtype).
-  Returns: `[batch, out_h, out_w, channels]` in `compute_dtype` (if given),
-    else in the dtype of `x`; the bias is added in that dtype.
+  Returns: `[batch, out_h, out_w, channels]` in the compute dtype; the bias
+    is added in that dtype.
   """
+  p = _precision(precision, x)
   in_ch = x.shape[-1]
-  dtype = _variable_dtype(x)
   w_init, b_init = initializers or _initializers(False)
   w = tf.compat.v1.get_variable(
-      "weights", [kernel, kernel, in_ch, channels], dtype, w_init)
-  bias = tf.compat.v1.get_variable("biases", [channels], dtype, b_init)
+      "weights", [kernel, kernel, in_ch, channels], p.variables, w_init)
+  bias = tf.compat.v1.get_variable("biases", [channels], p.variables, b_init)
   if scale is not None:
     w = w * scale
-  xc, wc = _cast(x, compute_dtype), _cast(w, compute_dtype)
-  method = fast_conv.choose_method(conv_impl, xc.dtype, stride,
-                                   kernel * kernel * in_ch)
-  return fast_conv.conv2d(xc, wc, _cast(bias, xc.dtype), stride, method, relu)
+  xc, wc = _cast(x, p.compute), _cast(w, p.compute)
+  method = fast_conv.choose_method(conv_impl, p.compute, stride, kernel * kernel * in_ch)
+  return fast_conv.conv2d(xc, wc, _cast(bias, p.compute), stride, method, relu)
 
 
-def conv1(images, channels, kernel, compute_dtype=None, conv_impl="custom_grad",
+def conv1(images, channels, kernel, precision=None, conv_impl="custom_grad",
           official=False):
   """Conv1: `channels` kernel x kernel filters, stride 1, ReLU (256 9x9 in the
   paper), turning pixel intensities into local feature activities.
@@ -81,14 +90,14 @@ def conv1(images, channels, kernel, compute_dtype=None, conv_impl="custom_grad",
     images: `[batch, height, width, image_channels]` in [0, 1].
     official: the official code's initialisers (kernel stddev 0.05, bias 0.1).
   Returns: `[batch, height - kernel + 1, width - kernel + 1, channels]`, in
-    `compute_dtype` if given (the input of the PrimaryCaps convolution).
+    the compute dtype (the input of the PrimaryCaps convolution).
   """
   with tf.compat.v1.variable_scope("conv1"):
-    return _conv(images, kernel, channels, 1, compute_dtype, conv_impl, relu=True,
+    return _conv(images, kernel, channels, 1, precision, conv_impl, relu=True,
                  initializers=_initializers(official, stddev=0.05))
 
 
-def primary_caps(x, types, dim, kernel, stride, compute_dtype=None,
+def primary_caps(x, types, dim, kernel, stride, precision=None,
                  conv_impl="custom_grad", official=False):
   """PrimaryCaps: `types` channels of `dim`-D capsules from one convolution
   (32 types of 8D capsules, 9x9 kernels, stride 2 in the paper: 6x6x32
@@ -104,14 +113,15 @@ def primary_caps(x, types, dim, kernel, stride, compute_dtype=None,
   Args:
     x: `[batch, h, w, channels]` Conv1 output.
   Returns:
-    u: `[batch, in_caps, dim]` primary capsules (float32 for bfloat16 `x`),
+    u: `[batch, in_caps, dim]` primary capsules, in the variables' dtype,
       `in_caps = out_h * out_w * types`, ordered (row, column, type).
   """
   with tf.compat.v1.variable_scope("primary_caps"):
-    y = _conv(x, kernel, types * dim, stride, compute_dtype, conv_impl,
+    p = _precision(precision, x)
+    y = _conv(x, kernel, types * dim, stride, p, conv_impl,
               initializers=_initializers(official),
               scale=1.0 / types if official else None)
-    y = _cast(y, _variable_dtype(x))
+    y = _cast(y, p.variables)
     in_caps = y.shape[1] * y.shape[2] * types
     u = tf.reshape(y, [-1, in_caps, dim])           # [b, i, k]
     return routing.squash(u)
@@ -161,7 +171,7 @@ def digit_caps(u, out_caps, out_dim, num_iters, stop_gradient, official=False):
     return v, couplings, u_hat
 
 
-def decoder(capsules, units, out_pixels, compute_dtype=None, official=False):
+def decoder(capsules, units, out_pixels, precision=None, official=False):
   """Reconstruction decoder (Section 4.1, Figure 2): fully connected ReLU
   layers (512, 1024 in the paper), then a sigmoid layer of one unit a pixel.
   `official`: the official code's initialisers (stddev 0.1, biases 0.1).
@@ -171,8 +181,10 @@ def decoder(capsules, units, out_pixels, compute_dtype=None, official=False):
       capsule masked to zero, flattened.
     units: hidden layer sizes, e.g. (512, 1024).
     out_pixels: size of the output layer (height * width * channels).
-  Returns: `[batch, out_pixels]` in (0, 1).
+  Returns: `[batch, out_pixels]` in (0, 1), in the variables' dtype (the
+    matmuls run in the compute dtype).
   """
+  p = _precision(precision, capsules)
   w_init, b_init = _initializers(official)
   with tf.compat.v1.variable_scope("decoder"):
     x = capsules
@@ -180,9 +192,9 @@ def decoder(capsules, units, out_pixels, compute_dtype=None, official=False):
     for n, size in enumerate(sizes, start=1):
       with tf.compat.v1.variable_scope(f"fc{n}"):
         w = tf.compat.v1.get_variable(
-            "weights", [x.shape[-1], size], capsules.dtype, w_init)
-        bias = tf.compat.v1.get_variable("biases", [size], capsules.dtype, b_init)
-        y = _cast(tf.matmul(_cast(x, compute_dtype), _cast(w, compute_dtype)),
-                  capsules.dtype) + bias
+            "weights", [x.shape[-1], size], p.variables, w_init)
+        bias = tf.compat.v1.get_variable("biases", [size], p.variables, b_init)
+        y = _cast(tf.matmul(_cast(x, p.compute), _cast(w, p.compute)),
+                  p.variables) + bias
         x = tf.sigmoid(y) if n == len(sizes) else tf.nn.relu(y)
     return x

@@ -167,17 +167,16 @@ def forward(images, labels, cfg, training, digit_caps=layers.digit_caps, device=
   if images.shape.rank != 4 or images.shape[1:].as_list() != expected:
     raise ValueError(f"forward: images must be [batch, {expected[0]}, "
                      f"{expected[1]}, {expected[2]}], got shape {images.shape}")
-  dtype = tf.as_dtype(cfg.dtype)
-  compute = _compute_dtype(cfg)
+  precision = precision_policy(cfg)
   conv_impl = fast_conv.resolve_impl(cfg.conv_impl, device)
   official = cfg.capsule_layers == "official"
-  images = tf.cast(images, dtype)
+  images = tf.cast(images, precision.variables)
   labels = tf.cast(labels, tf.int32)
   with tf.compat.v1.variable_scope("capsnet", reuse=tf.compat.v1.AUTO_REUSE):
-    x = layers.conv1(images, cfg.conv1_channels, cfg.conv1_kernel, compute,
+    x = layers.conv1(images, cfg.conv1_channels, cfg.conv1_kernel, precision,
                      conv_impl, official)
     u = layers.primary_caps(x, cfg.primary_types, cfg.primary_dim,
-                            cfg.primary_kernel, cfg.primary_stride, compute,
+                            cfg.primary_kernel, cfg.primary_stride, precision,
                             conv_impl, official)      # [b, i, k]
     # (`official` only when set: the benchmark's baseline DigitCaps has none)
     official_caps = {"official": True} if official else {}
@@ -187,7 +186,7 @@ def forward(images, labels, cfg, training, digit_caps=layers.digit_caps, device=
     lengths = routing.safe_norm(v)                   # [b, o]
     if two_digits:
       predictions, recon, margin, recon_loss, accuracy = _two_digit_heads(
-          v, lengths, labels, tf.cast(targets, dtype) if cfg.use_decoder else None,
+          v, lengths, labels, tf.cast(targets, precision.variables) if cfg.use_decoder else None,
           cfg, training)
     else:
       predictions = tf.argmax(lengths, axis=1, output_type=tf.int32)
@@ -199,7 +198,7 @@ def forward(images, labels, cfg, training, digit_caps=layers.digit_caps, device=
       else:
         recon = None
         recon_loss = tf.zeros_like(margin)
-      accuracy = tf.cast(tf.equal(predictions, labels), dtype)
+      accuracy = tf.cast(tf.equal(predictions, labels), precision.variables)
     loss = tf.reduce_mean(margin + recon_loss, name="loss")
     accuracy = tf.reduce_mean(accuracy, name="accuracy")
   return Outputs(u, u_hat, list(couplings), v, lengths, predictions, recon,
@@ -255,11 +254,17 @@ def _masked_decoder(v, classes, cfg):
   mask = tf.one_hot(classes, cfg.num_classes, dtype=v.dtype)   # [b, o]
   masked = tf.reshape(v * mask[..., None], [-1, cfg.num_classes * cfg.digit_dim])
   return layers.decoder(masked, cfg.decoder_units, cfg.num_pixels,
-                        _compute_dtype(cfg), cfg.capsule_layers == "official")
+                        precision_policy(cfg), cfg.capsule_layers == "official")
 
 
-def _compute_dtype(cfg):
-  return tf.bfloat16 if cfg.precision == "bf16" else None
+def precision_policy(cfg):
+  """The one place that decides the dtypes (a `layers.Precision`): the
+  variables, capsules, `u_hat`, routing and losses in `cfg.dtype`; the
+  convolutions and the decoder's matmuls in bfloat16 with
+  `precision="bf16"`, else in `cfg.dtype` too."""
+  variables = tf.as_dtype(cfg.dtype)
+  return layers.Precision(variables,
+                          tf.bfloat16 if cfg.precision == "bf16" else variables)
 
 
 def _placement(variable_device, compute_device):

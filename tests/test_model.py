@@ -266,3 +266,19 @@ def test_official_primary_caps_divide_by_types_and_digit_bias():
     got_v, got_u_hat = sess.run([v, u_hat])
   np.testing.assert_allclose(
       got_v, squash(got_u_hat.sum(1) / 5 + np.arange(10.0).reshape(5, 2) / 10), rtol=1e-9)  # (squash's 1e-12 under the root)
+
+
+def test_precision_policy_is_decided_once_from_the_config():
+  p = model.precision_policy(model.ModelConfig())
+  assert (p.variables, p.compute) == (tf.float32, tf.float32)
+  p = model.precision_policy(model.ModelConfig(precision="bf16"))
+  assert (p.variables, p.compute) == (tf.float32, tf.bfloat16)
+  p = model.precision_policy(model.ModelConfig(dtype="float64"))
+  assert (p.variables, p.compute) == (tf.float64, tf.float64)
+  with tf.Graph().as_default():   # bf16: float32 variables, bf16 conv output
+    x = layers.conv1(tf.zeros([1, 12, 12, 1]), 4, 3,
+                     layers.Precision(tf.float32, tf.bfloat16), "conv2d")
+    u = layers.primary_caps(x, 2, 4, 3, 2, layers.Precision(tf.float32, tf.bfloat16),
+                            "conv2d")
+    assert (x.dtype, u.dtype) == (tf.bfloat16, tf.float32)
+    assert {v.dtype.base_dtype for v in tf.compat.v1.global_variables()} == {tf.float32}
