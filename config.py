@@ -207,6 +207,18 @@ def resolve_device(device, program):
   return device
 
 
+def session_config(devices, log_device_placement=False):
+  """The session of a graph placed on `devices`: soft placement, GPU memory
+  taken as needed, and as many logical CPU devices as CPU towers."""
+  proto = tf.compat.v1.ConfigProto(allow_soft_placement=True,
+                                   log_device_placement=log_device_placement)
+  proto.gpu_options.allow_growth = True   # take GPU memory as needed, not all
+  cpus = sum(d.lower().startswith("/cpu") for d in devices)
+  if cpus > 1:   # towers on logical CPU devices
+    proto.device_count["CPU"] = cpus
+  return proto
+
+
 # --------------------------------------------------------------------------
 # The trainer's settings
 

@@ -152,7 +152,7 @@ def build_graph(cfg, s, devices, fixed_batch):
     n = float(len(outs))
     loss = tf.add_n([o.loss for o in outs]) / n
     accuracy = tf.add_n([o.accuracy for o in outs]) / n
-    summary = _summaries(outs[0], images, lr)
+    summary = model.training_summaries(outs[0], images, lr)
     ev = evaluation.build(cfg, s.eval_batch_size, devices[0], task)
     diag = {}
     if s.diag_every:
@@ -178,39 +178,6 @@ def build_graph(cfg, s, devices, fixed_batch):
   return TrainGraph(graph, state, pipe, lr, train_op, loss, accuracy, summary, ev,
                     eval_averaged, diag, saver_latest, saver_best,
                     saver_without_optional, init, init_optional, coordination)
-
-
-def _summaries(out, images, lr):
-  """Created once, from tower 0, outside the tower scopes."""
-  scalar = tf.compat.v1.summary.scalar
-  items = [scalar("loss/total", out.loss),
-           scalar("loss/margin", tf.reduce_mean(out.margin_loss)),
-           scalar("loss/reconstruction", tf.reduce_mean(out.recon_loss)),
-           scalar("accuracy", out.accuracy),
-           scalar("learning_rate", lr)]
-  for r, c in enumerate(out.couplings):
-    items.append(scalar(f"routing/entropy_iter_{r}", model.routing_entropy(c)))
-    items.append(scalar(f"routing/max_c_iter_{r}",
-                        tf.reduce_mean(tf.reduce_max(c, axis=2))))
-  if out.reconstructions is not None:
-    first = out.reconstructions[:4]
-    if first.shape.rank == 3:   # two digits: the first label's
-      first = first[:, 0]
-    recon = tf.reshape(first, tf.shape(images[:4]))
-    pairs = tf.concat([tf.cast(images[:4], recon.dtype), recon], axis=2)
-    items.append(tf.compat.v1.summary.image("input_vs_reconstruction", pairs,
-                                            max_outputs=4))
-  return tf.compat.v1.summary.merge(items)
-
-
-def session_config(devices, log_device_placement=False):
-  proto = tf.compat.v1.ConfigProto(allow_soft_placement=True,
-                                   log_device_placement=log_device_placement)
-  proto.gpu_options.allow_growth = True   # take GPU memory as needed, not all
-  cpus = sum(d.lower().startswith("/cpu") for d in devices)
-  if cpus > 1:   # towers on logical CPU devices
-    proto.device_count["CPU"] = cpus
-  return proto
 
 
 # --------------------------------------------------------------------------
@@ -297,10 +264,11 @@ def train(cfg, s, devices, splits):
   stop, runner = stopping.StopRequest(), None
   try:
     with stop.installed(), open_session(g, s, devices, server) as sess:
-      pos, resumed = restore_or_init(sess, g, folder) if chief else (g.state.load(sess), True)
+      pos, resumed = (run_state.restore_or_init(sess, g, folder) if chief
+                     else (g.state.load(sess), True))
       if s.cluster and chief:
         runner = distributed.start_chief(sess, g.cluster)
-      writer = start_writing(g, s, cfg, pos, resumed) if chief else NullWriter()
+      writer = start_writing(g, s, cfg, pos, resumed) if chief else distributed.NullWriter()
       with contextlib.closing(writer):   # on every way out (files closed)
         run = Run(sess, g, s, folder, splits, writer, stop, chief)
         train_epochs(run, pos)
@@ -318,7 +286,7 @@ def train(cfg, s, devices, splits):
 
 
 def open_session(g, s, devices, server):
-  proto = session_config(devices, s.log_device_placement)
+  proto = config.session_config(devices, s.log_device_placement)
   if server is None:
     return tf.compat.v1.Session(graph=g.graph, config=proto)
   return distributed.open_session(s.cluster, server, g.graph,
@@ -334,19 +302,6 @@ def start_writing(g, s, cfg, pos, resumed):
     writer.add_session_log(tf.compat.v1.SessionLog(
         status=tf.compat.v1.SessionLog.START), pos.step)
   return writer
-
-
-class NullWriter:
-  """What a worker other than the chief writes events with: nothing."""
-
-  def add_summary(self, *args):
-    pass
-
-  def flush(self):
-    pass
-
-  def close(self):
-    pass
 
 
 def train_epochs(run, pos):
@@ -372,54 +327,6 @@ def epoch_images(run):
 
 def out_of_steps(s, pos):
   return s.max_steps and pos.step >= s.max_steps
-
-
-def restore_or_init(sess, g, folder):
-  """Restores the newest intact checkpoint of latest/ (or best/), or, in a
-  logdir without checkpoints, initialises the variables.
-
-  A damaged checkpoint (missing or truncated file, bad checksum) is passed
-  over, saying so; its files stay, and its folder's `checkpoint` index is
-  rewritten to list the intact ones only. Rows of metrics.jsonl and
-  diagnostics.jsonl written after the restored step are dropped: the run
-  writes them again.
-  Returns: (the run's `Position`, whether a checkpoint was restored).
-  Raises: runs.RunError if there are checkpoints but none is intact.
-  """
-  ckpt, damaged = folder.newest_intact()
-  for prefix, reason in damaged:
-    print(f"{prefix}: damaged ({reason}); passed over")
-  if ckpt is None and damaged:
-    raise runs.RunError(f"{folder.path}: no intact checkpoint ({len(damaged)} "
-                        "damaged); move the logdir away to start again")
-  if ckpt is None:   # (rows of an attempt killed before its first save go)
-    sess.run(g.init)
-    folder.drop_rows_after(0)
-    return g.state.load(sess), False
-  restore(sess, g, ckpt)
-  print(f"Resuming from {ckpt}")
-  pos = g.state.load(sess)
-  for saver, which in zip((g.saver_latest, g.saver_best), runs.CHECKPOINT_FOLDERS):
-    kept = [p for p in folder.checkpoints(which) if runs.step_of(p) <= pos.step
-            and p not in dict(damaged)]
-    saver.recover_last_checkpoints(kept)   # so that it deletes them in turn
-    if any(os.path.dirname(p) == folder.checkpoint_folder(which) for p, _ in damaged):
-      runs.relist(folder.checkpoint_folder(which), kept)   # intact ones only
-  folder.drop_rows_after(pos.step)
-  return pos, True
-
-
-def restore(sess, g, ckpt):
-  """Restores every variable; state a checkpoint lacks (written before that
-  state existed) starts at its default."""
-  runs.check_matches(ckpt, [v for v in g.graph.get_collection(
-      tf.compat.v1.GraphKeys.TRAINABLE_VARIABLES)])
-  names = set(tf.train.load_checkpoint(ckpt).get_variable_to_shape_map())
-  if all(v.op.name in names for v in g.state.optional):
-    g.saver_latest.restore(sess, ckpt)
-  else:
-    g.saver_without_optional.restore(sess, ckpt)
-    sess.run(g.init_optional)
 
 
 def save(run, saver, which, pos):
@@ -591,7 +498,7 @@ def final_test(run):
   if best is None:
     print("No completed epoch yet: no best checkpoint to test")
     return
-  restore(run.sess, run.g, best)
+  run_state.restore(run.sess, run.g, best)
   averaged = run.g.state.load(run.sess).best_averaged
   graph = run.g.eval_averaged if averaged else run.g.eval
   test = evaluation.run(run.sess, graph, *run.splits["test"])

@@ -370,3 +370,29 @@ def gradient_diagnostic(images, labels, cfg, device=None, targets=None,
     grads[stop] = tf.gradients(out.loss, wrt)
   return {name: tf.norm(full - stop) / tf.norm(full)
           for name, stop, full in zip(DIAG_VARS, grads[True], grads[False])}
+
+
+def training_summaries(out, images, lr):
+  """TensorBoard summaries of a training step: the loss terms, accuracy,
+  learning rate, routing entropy and max c per iteration, and inputs beside
+  their reconstructions. Created once, from tower 0, outside the tower
+  scopes."""
+  scalar = tf.compat.v1.summary.scalar
+  items = [scalar("loss/total", out.loss),
+           scalar("loss/margin", tf.reduce_mean(out.margin_loss)),
+           scalar("loss/reconstruction", tf.reduce_mean(out.recon_loss)),
+           scalar("accuracy", out.accuracy),
+           scalar("learning_rate", lr)]
+  for r, c in enumerate(out.couplings):
+    items.append(scalar(f"routing/entropy_iter_{r}", routing_entropy(c)))
+    items.append(scalar(f"routing/max_c_iter_{r}",
+                        tf.reduce_mean(tf.reduce_max(c, axis=2))))
+  if out.reconstructions is not None:
+    first = out.reconstructions[:4]
+    if first.shape.rank == 3:   # two digits: the first label's
+      first = first[:, 0]
+    recon = tf.reshape(first, tf.shape(images[:4]))
+    pairs = tf.concat([tf.cast(images[:4], recon.dtype), recon], axis=2)
+    items.append(tf.compat.v1.summary.image("input_vs_reconstruction", pairs,
+                                            max_outputs=4))
+  return tf.compat.v1.summary.merge(items)

@@ -10,6 +10,8 @@ import os
 
 import tensorflow as tf
 
+from capsnet import runs
+
 
 @dataclasses.dataclass
 class Position:
@@ -81,3 +83,54 @@ class RunState:
     sess.run(self._assign, {self._feeds[k]: getattr(pos, k) for k in self._vars})
     return saver.save(sess, os.path.join(folder, "model.ckpt"), self.global_step,
                       write_meta_graph=False)
+
+
+def restore_or_init(sess, g, folder):
+  """Restores the newest intact checkpoint of latest/ (or best/), or, in a
+  logdir without checkpoints, initialises the variables.
+
+  A damaged checkpoint (missing or truncated file, bad checksum) is passed
+  over, saying so; its files stay, and its folder's `checkpoint` index is
+  rewritten to list the intact ones only. Rows of metrics.jsonl and
+  diagnostics.jsonl written after the restored step are dropped: the run
+  writes them again.
+  Args:
+    g: train.py's graph (its state, savers and initialisers).
+    folder: the `runs.RunFolder`.
+  Returns: (the run's `Position`, whether a checkpoint was restored).
+  Raises: runs.RunError if there are checkpoints but none is intact.
+  """
+  ckpt, damaged = folder.newest_intact()
+  for prefix, reason in damaged:
+    print(f"{prefix}: damaged ({reason}); passed over")
+  if ckpt is None and damaged:
+    raise runs.RunError(f"{folder.path}: no intact checkpoint ({len(damaged)} "
+                        "damaged); move the logdir away to start again")
+  if ckpt is None:   # (rows of an attempt killed before its first save go)
+    sess.run(g.init)
+    folder.drop_rows_after(0)
+    return g.state.load(sess), False
+  restore(sess, g, ckpt)
+  print(f"Resuming from {ckpt}")
+  pos = g.state.load(sess)
+  for saver, which in zip((g.saver_latest, g.saver_best), runs.CHECKPOINT_FOLDERS):
+    kept = [p for p in folder.checkpoints(which) if runs.step_of(p) <= pos.step
+            and p not in dict(damaged)]
+    saver.recover_last_checkpoints(kept)   # so that it deletes them in turn
+    if any(os.path.dirname(p) == folder.checkpoint_folder(which) for p, _ in damaged):
+      runs.relist(folder.checkpoint_folder(which), kept)   # intact ones only
+  folder.drop_rows_after(pos.step)
+  return pos, True
+
+
+def restore(sess, g, ckpt):
+  """Restores every variable; state a checkpoint lacks (written before that
+  state existed) starts at its default."""
+  runs.check_matches(ckpt, [v for v in g.graph.get_collection(
+      tf.compat.v1.GraphKeys.TRAINABLE_VARIABLES)])
+  names = set(tf.train.load_checkpoint(ckpt).get_variable_to_shape_map())
+  if all(v.op.name in names for v in g.state.optional):
+    g.saver_latest.restore(sess, ckpt)
+  else:
+    g.saver_without_optional.restore(sess, ckpt)
+    sess.run(g.init_optional)
