@@ -30,7 +30,6 @@ import config  # noqa: E402
 from capsnet import evaluation  # noqa: E402
 from capsnet import files  # noqa: E402
 from capsnet import model  # noqa: E402
-from capsnet import multimnist  # noqa: E402
 from capsnet import pictures  # noqa: E402
 from capsnet import runs  # noqa: E402
 from capsnet import serving  # noqa: E402
@@ -152,7 +151,7 @@ def evaluate_split(cfg, ckpt, run_dir, train_settings, s):
   if s.split == "validation" and not val_size:
     raise runs.RunError(f"--split=validation: {run_dir} was trained with "
                         "--val_size=0, so it has no validation split")
-  task = tasks.get(dataset, train_settings.get("multimnist_shift", multimnist.PAIR_SHIFT))
+  task = tasks.get(dataset, train_settings.get("multimnist_shift"))
   splits = task.load(s.data_dir or config.default_data_dir(dataset), val_size, s.download)
   s = dataclasses.replace(s, dataset=dataset, out_dir=s.out_dir or os.path.join(
       run_dir, f"eval_{os.path.basename(ckpt)}_r{cfg.iter_routing}_{s.split}"))

@@ -45,6 +45,7 @@ from absl import flags
 from capsnet import files
 from capsnet import runs
 from capsnet import stats
+from capsnet import tasks
 
 # train.py's learning-rate decay period; runs with another one get a tag.
 DEFAULT_DECAY_STEPS = 2000
@@ -443,7 +444,8 @@ def _label(row):
 
 
 def _multimnist(rows):
-  return any(r["dataset"] == "multimnist" for r in rows)
+  """Rows of two digits an image (MultiMNIST): their own columns and axis."""
+  return any(tasks.get(r["dataset"]).two_digits for r in rows)
 
 
 # plot's x axes: the curves it reads, their scale and the axis label.
@@ -668,7 +670,7 @@ def main(argv):
     elif FLAGS.train:
       run_one(grid[name], seed, folder, dict(settings, decay_steps=decay_steps), extra)
     if (FLAGS.routing and is_complete(folder, FLAGS.epochs)
-        and grid[name].get("dataset", "mnist") != "multimnist"
+        and not tasks.get(grid[name].get("dataset", "mnist")).two_digits
         and runs.RunFolder(folder).routing() is None
         and os.path.isdir(os.path.join(folder, "best"))):
       print(f"{os.path.basename(folder)}: measuring routing", flush=True)

@@ -10,9 +10,15 @@ label's rank.
 - `DigitPairs`: MultiMNIST (Section 6), made from the MNIST files; two
   labels an image; training pairs are drawn on the fly from the digits,
   validation and test are fixed pairs with their two reconstruction targets.
+
+The data modules (and TensorFlow with them) are imported when a task first
+reads or pipes data, so that `two_digits` answers without them (the study).
 """
-from capsnet import data
-from capsnet import multimnist
+import importlib
+
+
+def _module(name):
+  return importlib.import_module(f"capsnet.{name}")
 
 
 class Digits:
@@ -25,16 +31,17 @@ class Digits:
 
   def load(self, data_dir, val_size, download):
     """dict split -> (images uint8 [n, h, w, c], labels [n])."""
-    return data.load(self.name, data_dir, val_size, download)
+    return _module("data").load(self.name, data_dir, val_size, download)
 
   def train_pipeline(self, image_shape, batch_size, shard):
     """Batches of the epoch's images in the order fed, shifted (augmented)."""
-    return data.fed_pipeline(image_shape, batch_size, augment=True, drop_remainder=True,
-                             name="train_input", shard=shard)
+    return _module("data").fed_pipeline(image_shape, batch_size, augment=True,
+                                        drop_remainder=True, name="train_input",
+                                        shard=shard)
 
   def eval_pipeline(self, image_shape, batch_size):
     """Batches in order, the last partial one kept."""
-    return data.fed_pipeline(image_shape, batch_size, name="eval_input")
+    return _module("data").fed_pipeline(image_shape, batch_size, name="eval_input")
 
   def epoch_feed(self, pipe, train, order):
     """The feed of the training iterator's initializer for an epoch's
@@ -54,23 +61,26 @@ class DigitPairs:
   name = "multimnist"
   files = "mnist"
 
-  def __init__(self, pair_shift=multimnist.PAIR_SHIFT):
-    self.pair_shift = pair_shift
+  def __init__(self, pair_shift=None):
+    self.pair_shift = pair_shift   # None: multimnist.PAIR_SHIFT
+
+  def _shift(self):
+    return _module("multimnist").PAIR_SHIFT if self.pair_shift is None else self.pair_shift
 
   def load(self, data_dir, val_size, download):
     """dict split -> "train": (digits, labels), the others: (images, labels
     [n, 2], targets [n, 2, h, w, 1])."""
-    return multimnist.load(data.load("mnist", data_dir, val_size, download),
-                           self.pair_shift)
+    mnist = _module("data").load("mnist", data_dir, val_size, download)
+    return _module("multimnist").load(mnist, self._shift())
 
   def train_pipeline(self, image_shape, batch_size, shard):
     del image_shape
     if shard != (0, 1):
       raise ValueError("--dataset=multimnist does not run on a cluster yet")
-    return multimnist.train_pipeline(batch_size, self.pair_shift)
+    return _module("multimnist").train_pipeline(batch_size, self._shift())
 
   def eval_pipeline(self, image_shape, batch_size):
-    return multimnist.eval_pipeline(batch_size, size=image_shape[0])
+    return _module("multimnist").eval_pipeline(batch_size, size=image_shape[0])
 
   def epoch_feed(self, pipe, train, order):
     """The digits once; the pipeline pairs the `order`'s first digits."""
@@ -87,9 +97,9 @@ TASKS = {"mnist": lambda _: Digits("mnist"),
          "multimnist": DigitPairs}
 
 
-def get(name, pair_shift=multimnist.PAIR_SHIFT):
+def get(name, pair_shift=None):
   """The task of --dataset=`name` (`pair_shift`: MultiMNIST's largest shift
-  of a digit). Raises: ValueError for an unknown name."""
+  of a digit; None: the paper's 4). Raises: ValueError for an unknown name."""
   if name not in TASKS:
     raise ValueError(f"--dataset={name}: expected one of {sorted(TASKS)}")
   return TASKS[name](pair_shift)
