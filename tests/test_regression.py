@@ -6,7 +6,7 @@ import os
 import pytest
 import tensorflow as tf
 
-from conftest import SMALL, needs_mnist, train_here, weights_sha256
+from conftest import FLOAT64_WEIGHTS_SHA256, SMALL, needs_mnist, train_here, weights_sha256
 
 
 # Weights of a fixed-seed tiny run (SMALL, 320 training images, 12 steps), a
@@ -16,9 +16,7 @@ from conftest import SMALL, needs_mnist, train_here, weights_sha256
 # (issue 14), and unchanged since. How oneDNN rounds in bfloat16 depends on
 # the CPU's instructions, so the bf16 value is per kind of CPU (the bf16
 # instructions it has) and checked only where one was recorded.
-WEIGHTS_SHA256 = {
-    "float64": "b639933f89df2108b8c4b1320b264c5efba71713fbf4e476e33e18a0523a1f86",
-}
+WEIGHTS_SHA256 = {"float64": FLOAT64_WEIGHTS_SHA256}
 BF16_WEIGHTS_SHA256 = {   # CPU bf16 instructions: sha256
     "avx512_bf16": "25360c1e0bed34fe978546a89d2f03028cd49809fcaaf3f2aee196514b7c63d3",
     # recorded at commit 3866746 (before the official layers and weight averaging)
