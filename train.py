@@ -104,6 +104,11 @@ def check_logdir(logdir, cfg, s):
   """
   folder = runs.RunFolder(logdir)
   folder.check_writable()
+  check_resume(folder, cfg, s)
+
+
+def check_resume(folder, cfg, s):
+  """`check_logdir` but for the writable check (a locked folder is writable)."""
   folder.check_resume(dataclasses.asdict(cfg), s.recorded(),
                       may_change=MAY_CHANGE_ON_RESUME,
                       setting_defaults=SETTING_DEFAULTS, adopt=s.adopt_checkpoints)
@@ -207,9 +212,10 @@ def main(argv):
   run_lock = None   # this process's hold on the logdir (the chief's)
   try:
     if cluster.is_chief(s.cluster):   # the only process that writes the logdir
-      runs.RunFolder(s.logdir).check_writable()
-      run_lock = runs.lock(s.logdir)   # before reading anything there
-      check_logdir(s.logdir, cfg, s)
+      folder = runs.RunFolder(s.logdir)
+      folder.check_writable()
+      run_lock = folder.lock()   # before reading anything there
+      check_resume(folder, cfg, s)
     splits = load_splits(s, cfg)
   except ValueError as e:   # DataError and RunError are ValueErrors
     if run_lock:   # a run that does not start leaves nothing

@@ -43,21 +43,17 @@ def build(cfg, batch_size, device=None, task=None, routing_stats=False):
 
 
 def routing_movement(couplings):
-  """How far routing moves the coupling coefficients from uniform.
+  """`model.routing_movement` of every routing iteration, in float64 (exact
+  means over 10,000 images).
 
   Args:
     couplings: one `[batch, in_caps, out_caps]` tensor per routing
       iteration, the first first (the first is uniform: softmax of zeros).
-  Returns: dict of `[batch, iterations]` tensors: "entropy", the mean over
-    the input capsules of the entropy of c_i over out_caps (nats; log(out_caps)
-    when uniform, 0 when each capsule picks one parent), and "max_c", the
-    mean over the input capsules of max_j c_ij (1 / out_caps when uniform).
+  Returns: dict of `[batch, iterations]` tensors, "entropy" and "max_c".
   """
-  couplings = [tf.cast(c, tf.float64) for c in couplings]   # exact means
-  entropy = [-tf.reduce_mean(tf.reduce_sum(c * tf.math.log(c + 1e-30), axis=2), axis=1)
-             for c in couplings]
-  max_c = [tf.reduce_mean(tf.reduce_max(c, axis=2), axis=1) for c in couplings]
-  return {"entropy": tf.stack(entropy, axis=1), "max_c": tf.stack(max_c, axis=1)}
+  moved = [model.routing_movement(tf.cast(c, tf.float64)) for c in couplings]
+  return {"entropy": tf.stack([e for e, _ in moved], axis=1),
+          "max_c": tf.stack([m for _, m in moved], axis=1)}
 
 
 def run(sess, graph, images, labels, targets=None):

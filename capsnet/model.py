@@ -340,10 +340,14 @@ def average_gradients(tower_grads):
   return averaged
 
 
-def routing_entropy(c):
-  """Mean entropy (nats) of `c [batch, in_caps, out_caps]` over out_caps;
-  log(out_caps) for uniform coupling, 0 when each input picks one output."""
-  return -tf.reduce_mean(tf.reduce_sum(c * tf.math.log(c + 1e-12), axis=2))
+def routing_movement(c):
+  """How far routing moved the coupling coefficients `c [batch, in_caps,
+  out_caps]` from uniform, per example: (the mean over the input capsules of
+  the entropy of c_i over out_caps, in nats: log(out_caps) when uniform, 0
+  when each input picks one output; the mean of max_j c_ij: 1 / out_caps
+  when uniform), each `[batch]`."""
+  entropy = -tf.reduce_sum(tf.math.xlogy(c, c), axis=2)   # [b, i]; 0 log 0 = 0
+  return tf.reduce_mean(entropy, axis=1), tf.reduce_mean(tf.reduce_max(c, axis=2), axis=1)
 
 
 DIAG_VARS = ("digit_caps/weights", "primary_caps/weights", "conv1/weights")
@@ -384,9 +388,9 @@ def training_summaries(out, images, lr):
            scalar("accuracy", out.accuracy),
            scalar("learning_rate", lr)]
   for r, c in enumerate(out.couplings):
-    items.append(scalar(f"routing/entropy_iter_{r}", routing_entropy(c)))
-    items.append(scalar(f"routing/max_c_iter_{r}",
-                        tf.reduce_mean(tf.reduce_max(c, axis=2))))
+    entropy, max_c = routing_movement(c)
+    items.append(scalar(f"routing/entropy_iter_{r}", tf.reduce_mean(entropy)))
+    items.append(scalar(f"routing/max_c_iter_{r}", tf.reduce_mean(max_c)))
   if out.reconstructions is not None:
     first = out.reconstructions[:4]
     if first.shape.rank == 3:   # two digits: the first label's

@@ -168,7 +168,18 @@ class RunFolder:
                        f"({e.strerror})") from None
 
   def lock(self):
-    """This process as the folder's one writer (`RunLock`)."""
+    """Makes this process the folder's one writer: an exclusive `flock` on
+    train.lock, held until `RunLock.release` or the end of the process (the
+    OS drops it when the process dies, SIGKILL too, so nothing stale is
+    left). The file names the holder (pid, host, start time). Creates the
+    folder if needed.
+
+    Not a guard across machines: a folder on a network file system may not
+    honour the lock between hosts.
+    Returns: a `RunLock`.
+    Raises: RunError naming the folder and the holder if another process
+      has it.
+    """
     return RunLock(self.path)
 
   # -- checkpoints
@@ -249,7 +260,7 @@ LOCK_FILE = "train.lock"
 
 
 class RunLock:
-  """This process as the one writer of a run folder (see `lock`)."""
+  """This process as the one writer of a run folder (`RunFolder.lock`)."""
 
   def __init__(self, logdir):
     self.logdir = logdir
@@ -282,21 +293,6 @@ class RunLock:
       if self.created and not os.listdir(self.logdir):
         os.rmdir(self.logdir)
     self._file.close()   # closing the file drops the flock
-
-
-def lock(logdir):
-  """Makes this process the one writer of `logdir`: an exclusive `flock` on
-  <logdir>/train.lock, held until `release` or the end of the process (the
-  OS drops it when the process dies, SIGKILL too, so nothing stale is left).
-  The file names the holder (pid, host, start time). Creates `logdir` if
-  needed.
-
-  Not a guard across machines: a folder on a network file system may not
-  honour the lock between hosts.
-  Returns: a `RunLock`.
-  Raises: RunError naming the folder and the holder if another process has it.
-  """
-  return RunLock(logdir)
 
 
 def resolve(path, which):
