@@ -11,16 +11,16 @@ from absl import flags
 import tensorflow as tf
 
 from capsnet import cluster
-from capsnet import data
 from capsnet import model
 from capsnet import multimnist
+from capsnet import tasks
 
-DATASETS = sorted(data.DATASETS) + ["multimnist"]
+DATASETS = sorted(tasks.TASKS)
 
 
 def default_data_dir(dataset):
-  """data/<dataset>; MultiMNIST is made from data/mnist."""
-  return f"data/{'mnist' if dataset == 'multimnist' else dataset}"
+  """data/<the task's files>: data/<dataset>; MultiMNIST is made from data/mnist."""
+  return f"data/{tasks.get(dataset).files}"
 
 _MODEL_HELP = {
     "image_size": "input height = width in pixels",
