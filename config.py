@@ -10,10 +10,10 @@ import os
 from absl import flags
 import tensorflow as tf
 
-from capsnet import cluster
-from capsnet import model
-from capsnet import multimnist
-from capsnet import tasks
+from capsnet.running import cluster_spec
+from capsnet.model import network
+from capsnet.data import multimnist
+from capsnet.data import tasks
 
 DATASETS = sorted(tasks.TASKS)
 
@@ -59,7 +59,7 @@ _MODEL_HELP = {
 
 def define_model_flags():
   """One flag per ModelConfig field, default = the paper's value."""
-  for field in dataclasses.fields(model.ModelConfig):
+  for field in dataclasses.fields(network.ModelConfig):
     name, default, help_ = field.name, field.default, _MODEL_HELP[field.name]
     if isinstance(default, bool):
       flags.DEFINE_bool(name, default, help_)
@@ -141,7 +141,7 @@ def define_train_flags():
 
 
 def define_cluster_flags():
-  """Between-graph replication (capsnet/cluster.py); TF_CONFIG is the
+  """Between-graph replication (docs/cluster.md); TF_CONFIG is the
   alternative to the first four."""
   flags.DEFINE_list("ps_hosts", [], "cluster: the ps tasks, host:port,...")
   flags.DEFINE_list("worker_hosts", [], "cluster: the workers, host:port,... "
@@ -158,11 +158,11 @@ def define_cluster_flags():
 
 def cluster_from_flags(values):
   """The cluster of --ps_hosts/--worker_hosts/--job_name/--task_index, else
-  of TF_CONFIG, else None. Raises cluster.ClusterError (a ValueError)."""
-  info = cluster.from_flags(values["ps_hosts"].value, values["worker_hosts"].value,
+  of TF_CONFIG, else None. Raises cluster_spec.ClusterError (a ValueError)."""
+  info = cluster_spec.from_flags(values["ps_hosts"].value, values["worker_hosts"].value,
                             values["job_name"].value, values["task_index"].value)
   if info is None and os.environ.get("TF_CONFIG"):
-    info = cluster.from_tf_config(os.environ["TF_CONFIG"])
+    info = cluster_spec.from_tf_config(os.environ["TF_CONFIG"])
   return info
 
 
@@ -176,7 +176,7 @@ def model_config_from_flags(values):
   kwargs = {}
   if values["dataset"].value == "multimnist" and not values["image_size"].present:
     kwargs["image_size"] = multimnist.CANVAS
-  for field in dataclasses.fields(model.ModelConfig):
+  for field in dataclasses.fields(network.ModelConfig):
     if field.name in kwargs:
       continue
     value = values[field.name].value
@@ -187,7 +187,7 @@ def model_config_from_flags(values):
         raise ValueError("ModelConfig.decoder_units must be positive ints, "
                          f"got {value!r}") from None
     kwargs[field.name] = value
-  return model.ModelConfig(**kwargs)
+  return network.ModelConfig(**kwargs)
 
 
 def default_device():
@@ -256,7 +256,7 @@ class Settings:
   val_every: int            # 0: epoch ends only
   progress: bool
   adopt_checkpoints: bool   # resume checkpoints that have no config.json
-  cluster: cluster.ClusterInfo   # None: one process
+  cluster: cluster_spec.ClusterInfo   # None: one process
   workers: int              # workers training together (1: one process)
   sync: bool                # a cluster's updates: synchronous
   cluster_wait_secs: int
@@ -270,13 +270,13 @@ def settings_from_flags(values):
   """A `Settings` from parsed flags; resolves the device and data defaults.
 
   Raises: ValueError for a batch that does not split over the towers or a
-  cluster description that cannot be used (cluster.ClusterError).
+  cluster description that cannot be used (cluster_spec.ClusterError).
   """
   derived = ("cluster", "workers")
   names = [f.name for f in dataclasses.fields(Settings) if f.name not in derived]
   kwargs = {name: values[name].value for name in names}
   kwargs["cluster"] = cluster_from_flags(values)
-  kwargs["workers"] = cluster.num_workers(kwargs["cluster"])
+  kwargs["workers"] = cluster_spec.num_workers(kwargs["cluster"])
   if kwargs["cluster"] and kwargs["dataset"] == "multimnist":
     raise ValueError("--dataset=multimnist does not run on a cluster yet")
   if kwargs["cluster"] and kwargs["ema_decay"]:

@@ -18,7 +18,7 @@ import os
 import sys
 import tempfile
 
-from capsnet import startup
+from capsnet.running import startup
 startup.import_tensorflow()   # before anything imports TensorFlow
 
 from absl import app  # noqa: E402
@@ -27,13 +27,13 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import config  # noqa: E402
-from capsnet import evaluation  # noqa: E402
-from capsnet import files  # noqa: E402
-from capsnet import model  # noqa: E402
-from capsnet import pictures  # noqa: E402
-from capsnet import runs  # noqa: E402
-from capsnet import serving  # noqa: E402
-from capsnet import tasks  # noqa: E402
+from capsnet.running import evaluation  # noqa: E402
+from capsnet.running import files  # noqa: E402
+from capsnet.model import network  # noqa: E402
+from capsnet.using import pictures  # noqa: E402
+from capsnet.running import runs  # noqa: E402
+from capsnet.using import serving  # noqa: E402
+from capsnet.data import tasks  # noqa: E402
 
 
 PERTURBATIONS = np.round(np.arange(-0.25, 0.2501, 0.05), 2)   # 11 values
@@ -221,7 +221,7 @@ def evaluate(cfg, ckpt, task, split, s):
     if cfg.use_decoder:
       v_in = tf.compat.v1.placeholder(ev.outputs.v.dtype, ev.outputs.v.shape)
       class_in = tf.compat.v1.placeholder(tf.int32, [None])
-      figure4 = (v_in, class_in, model.decode(v_in, class_in, cfg))
+      figure4 = (v_in, class_in, network.decode(v_in, class_in, cfg))
     saver, weights = runs.model_saver(ckpt, tf.compat.v1.global_variables(), s.weights)
     proto = tf.compat.v1.ConfigProto(allow_soft_placement=True)
     proto.gpu_options.allow_growth = True
@@ -279,7 +279,7 @@ def write_pictures(sess, ev, figure4, images, labels, cfg, s, out_dir):
   """reconstructions.png and figure4.png from the first test images.
 
   Args:
-    figure4: (v placeholder, class placeholder, decoded images) of `model.decode`.
+    figure4: (v placeholder, class placeholder, decoded images) of `network.decode`.
   """
   n = max(s.num_images, s.figure4_images)
   sess.run(ev.iterator.initializer, {ev.images: images[:n], ev.labels: labels[:n]})

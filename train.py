@@ -2,7 +2,7 @@
 
 Session-based (tf.compat.v1). The model runs on --device (GPU when present),
 the input pipeline on the CPU, soft placement lets the same graph run
-anywhere. --logdir is a run folder (`capsnet/runs.py` has its layout): the
+anywhere. --logdir is a run folder (`capsnet/running/runs.py` has its layout): the
 config, checkpoints in latest/ (every --save_every steps and each epoch end)
 and best/ (the best validation accuracy), the metrics and diagnostic rows,
 TensorBoard events and, at the end, the best checkpoint's test results.
@@ -22,7 +22,7 @@ import signal
 import sys
 import time
 
-from capsnet import startup
+from capsnet.running import startup
 startup.import_tensorflow()   # before anything imports TensorFlow
 
 from absl import app  # noqa: E402
@@ -32,16 +32,16 @@ import tensorflow as tf  # noqa: E402
 import tqdm  # noqa: E402
 
 import config  # noqa: E402
-from capsnet import averaging  # noqa: E402
-from capsnet import cluster  # noqa: E402
-from capsnet import distributed  # noqa: E402
-from capsnet import evaluation  # noqa: E402
-from capsnet import data  # noqa: E402
-from capsnet import model  # noqa: E402
-from capsnet import run_state  # noqa: E402
-from capsnet import runs  # noqa: E402
-from capsnet import stopping  # noqa: E402
-from capsnet import tasks  # noqa: E402
+from capsnet.running import averaging  # noqa: E402
+from capsnet.running import cluster_spec  # noqa: E402
+from capsnet.running import distributed  # noqa: E402
+from capsnet.running import evaluation  # noqa: E402
+from capsnet.data import mnist  # noqa: E402
+from capsnet.model import network  # noqa: E402
+from capsnet.running import run_state  # noqa: E402
+from capsnet.running import runs  # noqa: E402
+from capsnet.running import stopping  # noqa: E402
+from capsnet.data import tasks  # noqa: E402
 
 config.define_train_flags()
 FLAGS = flags.FLAGS
@@ -149,7 +149,7 @@ def build_graph(cfg, s, devices, fixed_batch):
         s.learning_rate, state.global_step, s.decay_steps, s.decay_rate)
     opt = distributed.wrap_optimizer(tf.compat.v1.train.AdamOptimizer(lr), s.cluster,
                                      s.sync)
-    grads, outs = model.tower_gradients(
+    grads, outs = network.tower_gradients(
         images, labels, cfg, opt, devices, targets=targets,
         variable_device=distributed.variable_device(s.cluster),
         two_digits=task.two_digits)
@@ -157,13 +157,13 @@ def build_graph(cfg, s, devices, fixed_batch):
     n = float(len(outs))
     loss = tf.add_n([o.loss for o in outs]) / n
     accuracy = tf.add_n([o.accuracy for o in outs]) / n
-    summary = model.training_summaries(outs[0], images, lr)
+    summary = network.training_summaries(outs[0], images, lr)
     ev = evaluation.build(cfg, s.eval_batch_size, devices[0], task)
     diag = {}
     if s.diag_every:
       with tf.compat.v1.device(devices[0]), tf.name_scope("diagnostic"):
         fixed = [tf.constant(a) for a in fixed_batch]
-        diag = model.gradient_diagnostic(
+        diag = network.gradient_diagnostic(
             tf.cast(fixed[0], tf.float32) / 255.0, fixed[1], cfg, devices[0],
             tf.cast(fixed[2], tf.float32) / 255.0 if len(fixed) > 2 else None,
             two_digits=task.two_digits)
@@ -211,7 +211,7 @@ def main(argv):
     sys.exit(f"train.py: error: {e}")
   run_lock = None   # this process's hold on the logdir (the chief's)
   try:
-    if cluster.is_chief(s.cluster):   # the only process that writes the logdir
+    if cluster_spec.is_chief(s.cluster):   # the only process that writes the logdir
       folder = runs.RunFolder(s.logdir)
       folder.check_writable()
       run_lock = folder.lock()   # before reading anything there
@@ -232,7 +232,7 @@ def run_training(cfg, s, devices, splits):
   """`train`, with its errors as one line and its exit statuses."""
   try:
     train(cfg, s, devices, splits)
-  except (TrainingError, runs.RunError, cluster.ClusterError) as e:
+  except (TrainingError, runs.RunError, cluster_spec.ClusterError) as e:
     sys.exit(f"train.py: error: {e}")
   except OSError as e:
     sys.exit(f"train.py: error: {e.filename or s.logdir}: {e.strerror or e}")
@@ -263,10 +263,10 @@ def train(cfg, s, devices, splits):
   devices = distributed.worker_devices(s.cluster, devices)
   server = distributed.start_server(s.cluster) if s.cluster else None
   if s.cluster:
-    cluster.wait_for(s.cluster.spec["ps"], s.cluster_wait_secs, "ps")
+    cluster_spec.wait_for(s.cluster.spec["ps"], s.cluster_wait_secs, "ps")
   g = build_graph(cfg, s, devices, fixed_batch)
   folder = runs.RunFolder(s.logdir)
-  chief = cluster.is_chief(s.cluster)
+  chief = cluster_spec.is_chief(s.cluster)
   stop, runner = stopping.StopRequest(), None
   try:
     with stop.installed(), open_session(g, s, devices, server) as sess:
@@ -371,7 +371,7 @@ def run_epoch(run, pos):
   settings ask). Returns: the `EpochStats` of the steps it ran.
   """
   sess, g, s = run.sess, run.g, run.s
-  order = data.shard_order(data.epoch_order(len(run.splits["train"][1]), s.seed, pos.epoch),
+  order = mnist.shard_order(mnist.epoch_order(len(run.splits["train"][1]), s.seed, pos.epoch),
                            s.batch_size, s.cluster.index if s.cluster else 0,
                            s.workers)[pos.examples // s.workers:]
   done_batches = pos.examples // (s.batch_size * s.workers)

@@ -23,8 +23,8 @@ import time
 from absl import app
 from absl import flags
 
-from capsnet import files
-from capsnet import startup
+from capsnet.running import files
+from capsnet.running import startup
 
 
 def define_flags():
@@ -84,11 +84,11 @@ def tiled_digit_caps(u, out_caps, out_dim, num_iters, stop_gradient):
   stopped `u_hat` when `stop_gradient`.
 
   The signature, results and variable of `layers.digit_caps` (W [in_caps,
-  out_caps, in_dim, out_dim]), so that `model.forward` takes it in place of
+  out_caps, in_dim, out_dim]), so that `network.forward` takes it in place of
   ours and the rest of the model (losses, decoder) is the same.
   """
   import tensorflow as tf
-  from capsnet import routing
+  from capsnet.model import routing
   with tf.compat.v1.variable_scope("digit_caps"):
     in_caps, in_dim = u.shape[1], u.shape[2]
     w = tf.compat.v1.get_variable(
@@ -119,12 +119,12 @@ def _build(variant, cfg, images, labels, train):
   the same model (losses, decoder, config) with `tiled_digit_caps` and
   TensorFlow's own convolution gradients."""
   import tensorflow as tf
-  from capsnet import model
+  from capsnet.model import network
   if variant == "ours":
-    out = model.forward(images, labels, cfg, training=train)
+    out = network.forward(images, labels, cfg, training=train)
   else:
     baseline = dataclasses.replace(cfg, conv_impl="conv2d")
-    out = model.forward(images, labels, baseline, training=train,
+    out = network.forward(images, labels, baseline, training=train,
                         digit_caps=tiled_digit_caps)
   if not train:
     return out.predictions
@@ -136,8 +136,8 @@ def _step_graph(variant, precision, mode, settings):
   """In the default graph: the config and the step op on a fixed batch."""
   import numpy as np
   import tensorflow as tf
-  from capsnet import model
-  cfg = model.ModelConfig(iter_routing=settings["iter_routing"], precision=precision,
+  from capsnet.model import network
+  cfg = network.ModelConfig(iter_routing=settings["iter_routing"], precision=precision,
                           conv_impl=settings["conv_impl"])
   batch = settings["batch_size"]
   rng = np.random.RandomState(0)
@@ -235,16 +235,16 @@ def _measure_input(settings, queue, n=55000, batches=200):
   """Child process: images/s of the training tf.data pipeline, augmentation on."""
   import numpy as np
   tf = _child_tensorflow()
-  from capsnet import data
+  from capsnet.data import mnist
   rng = np.random.RandomState(0)
   images = rng.randint(0, 256, (n, 28, 28, 1)).astype(np.uint8)
   labels = rng.randint(0, 10, n).astype(np.int32)
   batch = settings["batch_size"]
   with tf.Graph().as_default():
-    pipe = data.fed_pipeline([28, 28, 1], batch, augment=True, drop_remainder=True)
+    pipe = mnist.fed_pipeline([28, 28, 1], batch, augment=True, drop_remainder=True)
     nxt = pipe.batch[:2]   # (images, labels)
     with tf.compat.v1.Session() as sess:
-      order = data.epoch_order(n, 0, 0)
+      order = mnist.epoch_order(n, 0, 0)
       sess.run(pipe.iterator.initializer, {
           pipe.images: images[order], pipe.labels: labels[order], pipe.seed: 1,
           pipe.first_batch: 0})

@@ -15,7 +15,7 @@ import sys
 from absl import app
 from absl import flags
 
-from capsnet import startup
+from capsnet.running import startup
 
 
 def define_flags():
@@ -36,7 +36,7 @@ def ship(run, out):
   """
   import numpy as np
   import tensorflow as tf
-  from capsnet import runs
+  from capsnet.running import runs
   ckpt, run_dir = runs.resolve(run, "best")
   reason = runs.damage(ckpt)
   if reason:
@@ -72,7 +72,7 @@ def ship(run, out):
 def main(argv):
   del argv
   startup.import_tensorflow()
-  from capsnet import runs
+  from capsnet.running import runs
   if not FLAGS.run or not FLAGS.out:
     sys.exit("pretrained: error: --run and --out are required")
   try:

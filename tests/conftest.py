@@ -12,13 +12,13 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from capsnet import startup  # noqa: E402
+from capsnet.running import startup  # noqa: E402
 startup.import_tensorflow()
 
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from capsnet import model  # noqa: E402
+from capsnet.model import network  # noqa: E402
 
 tf.compat.v1.disable_eager_execution()
 
@@ -32,7 +32,7 @@ TINY = dict(image_size=12, conv1_channels=4, conv1_kernel=3, primary_types=2,
 
 @pytest.fixture
 def tiny_cfg():
-  return model.ModelConfig(**TINY)
+  return network.ModelConfig(**TINY)
 
 
 MNIST = os.path.join(ROOT, "data", "mnist")

@@ -9,7 +9,7 @@ import pytest
 import tensorflow as tf
 
 from capsnet import pretrained
-from capsnet import runs
+from capsnet.running import runs
 from conftest import (FLOAT64_WEIGHTS_SHA256, QUICK, eval_here, last_line, needs_mnist,
                       train_here, weights_sha256)
 

@@ -11,7 +11,7 @@ import pytest
 
 import config
 import train
-from capsnet import model
+from capsnet.model import network
 from conftest import QUICK, ROOT, last_line, needs_mnist, train_here
 
 
@@ -24,7 +24,7 @@ def test_tensorflow_imported_quietly_unless_asked_and_without_keras(tmp_path):
       f"eval.py: error: {tmp_path}/x: no such checkpoint (expected {tmp_path}/x.index) "
       "or logdir"]
   script = ("import importlib.util, sys\n"
-            "from capsnet import startup\n"
+            "from capsnet.running import startup\n"
             "startup.import_tensorflow()\n"
             "import tensorflow as tf\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] in "
@@ -55,7 +55,7 @@ def _settings(**changes):
     ("decay_rate", 0.9), ("workers", 2), ("sync", False), ("multimnist_shift", 6),
     ("ema_decay", 0.999)])
 def test_other_training_settings_refused_on_resume(tmp_path, field, value):
-  cfg = model.ModelConfig(**TINY_MODEL)
+  cfg = network.ModelConfig(**TINY_MODEL)
   s = _settings(logdir=str(tmp_path))
   train.write_config(str(tmp_path), cfg, s)
   before = (tmp_path / "config.json").read_text()
@@ -75,7 +75,7 @@ TINY_MODEL = dict(conv1_channels=16, primary_types=4, primary_dim=4, digit_dim=8
 
 
 def test_logdir_that_is_a_file_or_under_a_file(tmp_path):
-  cfg, path = model.ModelConfig(), tmp_path / "file"
+  cfg, path = network.ModelConfig(), tmp_path / "file"
   path.write_text("x")
   with pytest.raises(ValueError, match=f"--logdir={path}: is a file, expected a folder"):
     train.check_logdir(str(path), cfg, _settings())
@@ -89,7 +89,7 @@ def test_logdir_in_a_read_only_folder(small_disk):
   remount("ro")
   with pytest.raises(ValueError, match=re.escape(
       f"--logdir={folder}/run: cannot write in {folder} (Read-only file system)")):
-    train.check_logdir(str(folder / "run"), model.ModelConfig(), _settings())
+    train.check_logdir(str(folder / "run"), network.ModelConfig(), _settings())
 
 
 @needs_mnist

@@ -10,14 +10,14 @@ import pytest
 import tensorflow as tf
 
 from capsnet import bench
-from capsnet import layers
-from capsnet import model
+from capsnet.model import layers
+from capsnet.model import network
 from conftest import ROOT
 
 
 def test_flops_per_image_paper_model():
   """Counted by hand from the layer shapes (see the docstring)."""
-  cfg = model.ModelConfig()
+  cfg = network.ModelConfig()
   conv1 = 2 * 20 * 20 * 81 * 256                      # 16,588,800
   rest = (2 * 6 * 6 * 81 * 256 * 256                   # PrimaryCaps
           + 2 * 1152 * 10 * 8 * 16                     # u_hat
@@ -25,7 +25,7 @@ def test_flops_per_image_paper_model():
           + 2 * (160 * 512 + 512 * 1024 + 1024 * 784))  # decoder
   assert bench.flops_per_image(cfg, train=False) == conv1 + rest == 406_405_120
   assert bench.flops_per_image(cfg, train=True) == 2 * conv1 + 3 * rest
-  no_dec = model.ModelConfig(use_decoder=False)
+  no_dec = network.ModelConfig(use_decoder=False)
   assert bench.flops_per_image(cfg, False) - bench.flops_per_image(no_dec, False) \
       == 2 * (160 * 512 + 512 * 1024 + 1024 * 784)
 
@@ -86,7 +86,7 @@ def test_cli_small_run_writes_json(tmp_path):
     assert r["gflops"] == pytest.approx(r["gflop_per_image"] * r["images_per_sec"])
     assert r["fraction_of_fp32_peak"] == pytest.approx(r["gflops"] / peak)
     assert r["gflop_per_image"] == pytest.approx(
-        bench.flops_per_image(model.ModelConfig(), train=False) / 1e9)
+        bench.flops_per_image(network.ModelConfig(), train=False) / 1e9)
   by = {r["variant"]: r["images_per_sec"] for r in report["results"]}
   assert report["ratios"]["infer_fp32_ours_over_tiled"] == pytest.approx(
       by["ours"] / by["tiled"])

@@ -13,6 +13,7 @@ import pytest
 import tensorflow as tf
 
 from capsnet import cluster
+from capsnet.running import cluster_spec
 from conftest import ROOT, SMALL, cli, eval_here, last_line, needs_mnist, train_here
 
 # 320 training images: with 2 workers x 16 a step, 10 steps an epoch.
@@ -123,12 +124,12 @@ def test_unreachable_ps_is_one_line_within_the_wait():
 def test_tf_config_and_launcher_commands():
   config = {"cluster": {"ps": ["a:1"], "worker": ["b:2", "c:3"]},
             "task": {"type": "worker", "index": 1}}
-  info = cluster.from_tf_config(json.dumps(config))
-  assert info == cluster.ClusterInfo({"ps": ["a:1"], "worker": ["b:2", "c:3"]},
+  info = cluster_spec.from_tf_config(json.dumps(config))
+  assert info == cluster_spec.ClusterInfo({"ps": ["a:1"], "worker": ["b:2", "c:3"]},
                                      "worker", 1)
-  assert cluster.num_workers(info) == 2 and not cluster.is_chief(info)
-  with pytest.raises(cluster.ClusterError, match="TF_CONFIG: not a usable cluster"):
-    cluster.from_tf_config("{")
+  assert cluster_spec.num_workers(info) == 2 and not cluster_spec.is_chief(info)
+  with pytest.raises(cluster_spec.ClusterError, match="TF_CONFIG: not a usable cluster"):
+    cluster_spec.from_tf_config("{")
   cmds = cluster.commands(1, 2, ["--epochs=1"], [10, 11, 12])
   assert sorted(cmds) == [("ps", 0), ("worker", 0), ("worker", 1)]
   assert cmds[("worker", 1)][2:] == [

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from capsnet import data
+from capsnet.data import mnist
 from conftest import ROOT
 
 
@@ -46,31 +46,31 @@ def tiny_dataset(folder, n_train=12, n_test=5):
 @pytest.fixture
 def tiny(tmp_path, monkeypatch):
   arrays, spec = tiny_dataset(str(tmp_path))
-  monkeypatch.setitem(data.DATASETS, "tiny", spec)
+  monkeypatch.setitem(mnist.DATASETS, "tiny", spec)
   return tmp_path, arrays, spec
 
 
 def test_round_trip_and_splits(tiny):
   folder, arrays, _ = tiny
-  splits = data.load("tiny", str(folder), val_size=3)
+  splits = mnist.load("tiny", str(folder), val_size=3)
   np.testing.assert_array_equal(splits["train"][0][..., 0], arrays["train_images"][:9])
   np.testing.assert_array_equal(splits["validation"][1], arrays["train_labels"][9:])
   np.testing.assert_array_equal(splits["test"][0][..., 0], arrays["test_images"])
   assert splits["train"][0].shape == (9, 4, 4, 1) and splits["train"][0].dtype == np.uint8
   assert splits["validation"][0].shape == (3, 4, 4, 1)
-  assert data.load("tiny", str(folder), val_size=0)["validation"][0].shape == (0, 4, 4, 1)
-  with pytest.raises(data.DataError, match="val_size=12: expected 0 <= val_size < 12"):
-    data.load("tiny", str(folder), val_size=12)
+  assert mnist.load("tiny", str(folder), val_size=0)["validation"][0].shape == (0, 4, 4, 1)
+  with pytest.raises(mnist.DataError, match="val_size=12: expected 0 <= val_size < 12"):
+    mnist.load("tiny", str(folder), val_size=12)
 
 
 def test_md5_checked_at_every_start_and_nothing_written(tiny, monkeypatch):
   folder, _, spec = tiny
   calls = []
-  real = data.md5_of
-  monkeypatch.setattr(data, "md5_of", lambda p: calls.append(p) or real(p))
+  real = mnist.md5_of
+  monkeypatch.setattr(mnist, "md5_of", lambda p: calls.append(p) or real(p))
   before = sorted(os.listdir(folder)), os.stat(folder).st_mtime_ns
-  data.ensure_files("tiny", str(folder))
-  data.ensure_files("tiny", str(folder))
+  mnist.ensure_files("tiny", str(folder))
+  mnist.ensure_files("tiny", str(folder))
   assert len(calls) == 8
   # Nothing written beside the files: a read-only folder of them works.
   assert (sorted(os.listdir(folder)), os.stat(folder).st_mtime_ns) == before
@@ -81,17 +81,17 @@ def test_md5_checked_at_every_start_and_nothing_written(tiny, monkeypatch):
   blob[-9] ^= 0xFF
   path.write_bytes(bytes(blob))
   os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
-  with pytest.raises(data.DataError, match=r"train_labels\.gz: md5 [0-9a-f]{32}, "
+  with pytest.raises(mnist.DataError, match=r"train_labels\.gz: md5 [0-9a-f]{32}, "
                      "expected " + spec["files"]["train_labels"][1]):
-    data.ensure_files("tiny", str(folder))
+    mnist.ensure_files("tiny", str(folder))
 
 
 def test_data_dir_that_is_a_file(tmp_path):
   path = tmp_path / "file"
   path.write_text("x")
-  with pytest.raises(data.DataError, match=f"{path}: is a file, expected the folder "
+  with pytest.raises(mnist.DataError, match=f"{path}: is a file, expected the folder "
                      "of the mnist files"):
-    data.ensure_files("mnist", str(path), download_missing=False)
+    mnist.ensure_files("mnist", str(path), download_missing=False)
 
 
 @pytest.mark.parametrize("bad,message", [
@@ -103,29 +103,29 @@ def test_labels_out_of_range_and_wrong_image_size(tmp_path, monkeypatch, bad, me
   if bad == "label":
     labels = arrays["train_labels"].copy()
     labels[5] = 42
-    write_idx(str(tmp_path / "train_labels.gz"), labels, data.LABEL_MAGIC)
+    write_idx(str(tmp_path / "train_labels.gz"), labels, mnist.LABEL_MAGIC)
   else:
-    write_idx(str(tmp_path / "test_images.gz"), np.zeros((5, 5, 4)), data.IMAGE_MAGIC)
+    write_idx(str(tmp_path / "test_images.gz"), np.zeros((5, 5, 4)), mnist.IMAGE_MAGIC)
   spec = dict(spec, image_shape=(4, 4), num_classes=10, files={
-      key: (name, data.md5_of(str(tmp_path / name)), os.path.getsize(tmp_path / name))
+      key: (name, mnist.md5_of(str(tmp_path / name)), os.path.getsize(tmp_path / name))
       for key, (name, _, _) in spec["files"].items()})
-  monkeypatch.setitem(data.DATASETS, "tiny", spec)
-  with pytest.raises(data.DataError, match=message):
-    data.load("tiny", str(tmp_path), val_size=3)
+  monkeypatch.setitem(mnist.DATASETS, "tiny", spec)
+  with pytest.raises(mnist.DataError, match=message):
+    mnist.load("tiny", str(tmp_path), val_size=3)
 
 
 def test_bad_magic(tmp_path):
   path = write_idx(str(tmp_path / "x.gz"), np.zeros((2, 3, 3)), magic=2049 + 7)
-  with pytest.raises(data.DataError, match=r"x\.gz: IDX magic number 2056, expected 2051"):
-    data.read_idx(path, data.IMAGE_MAGIC)
+  with pytest.raises(mnist.DataError, match=r"x\.gz: IDX magic number 2056, expected 2051"):
+    mnist.read_idx(path, mnist.IMAGE_MAGIC)
 
 
 def test_header_size_mismatch(tmp_path):
   path = str(tmp_path / "x.gz")
   with gzip.open(path, "wb") as f:
     f.write(struct.pack(">IIII", 2051, 3, 2, 2) + bytes(11))
-  with pytest.raises(data.DataError, match=r"x\.gz: header says 3x2x2 = 12 bytes of data, file has 11"):
-    data.read_idx(path, data.IMAGE_MAGIC)
+  with pytest.raises(mnist.DataError, match=r"x\.gz: header says 3x2x2 = 12 bytes of data, file has 11"):
+    mnist.read_idx(path, mnist.IMAGE_MAGIC)
 
 
 def test_truncated_gzip(tmp_path):
@@ -134,8 +134,8 @@ def test_truncated_gzip(tmp_path):
     blob = f.read()
   bad = tmp_path / "cut.gz"
   bad.write_bytes(blob[: len(blob) // 2])
-  with pytest.raises(data.DataError, match=r"cut\.gz: not a readable gzip file"):
-    data.read_idx(str(bad), data.IMAGE_MAGIC)
+  with pytest.raises(mnist.DataError, match=r"cut\.gz: not a readable gzip file"):
+    mnist.read_idx(str(bad), mnist.IMAGE_MAGIC)
 
 
 def test_md5_mismatch_and_wrong_size(tiny):
@@ -144,12 +144,12 @@ def test_md5_mismatch_and_wrong_size(tiny):
   blob = bytearray(path.read_bytes())
   blob[-9] ^= 0xFF                      # same size, other bytes
   path.write_bytes(bytes(blob))
-  with pytest.raises(data.DataError, match=r"test_labels\.gz: md5 [0-9a-f]{32}, expected "
+  with pytest.raises(mnist.DataError, match=r"test_labels\.gz: md5 [0-9a-f]{32}, expected "
                      + spec["files"]["test_labels"][1]):
-    data.ensure_files("tiny", str(folder))
+    mnist.ensure_files("tiny", str(folder))
   path.write_bytes(bytes(blob[:-1]))
-  with pytest.raises(data.DataError, match=r"test_labels\.gz: \d+ bytes, expected \d+"):
-    data.ensure_files("tiny", str(folder))
+  with pytest.raises(mnist.DataError, match=r"test_labels\.gz: \d+ bytes, expected \d+"):
+    mnist.ensure_files("tiny", str(folder))
 
 
 class _Server:
@@ -183,7 +183,7 @@ def remote(tmp_path, monkeypatch):
   src = tmp_path / "src"
   src.mkdir()
   arrays, spec = tiny_dataset(str(src))
-  monkeypatch.setitem(data.DATASETS, "tiny", spec)
+  monkeypatch.setitem(mnist.DATASETS, "tiny", spec)
   files = {name: (src / name).read_bytes() for name, _, _ in spec["files"].values()}
   dest = tmp_path / "cache"
   return files, arrays, dest
@@ -193,11 +193,11 @@ def test_download_second_mirror(remote):
   files, arrays, dest = remote
   server = _Server({f"/good/{n}": b for n, b in files.items()})
   try:
-    paths = data.ensure_files("tiny", str(dest),
+    paths = mnist.ensure_files("tiny", str(dest),
                               mirrors=[server.url + "/missing/", server.url + "/good/"])
   finally:
     server.httpd.shutdown()
-  np.testing.assert_array_equal(data.read_idx(paths["test_labels"], data.LABEL_MAGIC),
+  np.testing.assert_array_equal(mnist.read_idx(paths["test_labels"], mnist.LABEL_MAGIC),
                                 arrays["test_labels"])
   assert sorted(os.listdir(dest)) == sorted(files)
 
@@ -206,9 +206,9 @@ def test_corrupt_download_leaves_nothing(remote):
   files, _, dest = remote
   server = _Server({f"/bad/{n}": b[:-1] + b"x" for n, b in files.items()})
   try:
-    with pytest.raises(data.DataError, match=r"missing .*train_images\.gz.* in .*cache: "
+    with pytest.raises(mnist.DataError, match=r"missing .*train_images\.gz.* in .*cache: "
                        r"download failed .*md5 [0-9a-f]+, expected"):
-      data.ensure_files("tiny", str(dest), mirrors=[server.url + "/bad/"])
+      mnist.ensure_files("tiny", str(dest), mirrors=[server.url + "/bad/"])
   finally:
     server.httpd.shutdown()
   assert os.listdir(dest) == []
@@ -216,10 +216,10 @@ def test_corrupt_download_leaves_nothing(remote):
 
 def test_download_off_names_missing_files(remote):
   _, _, dest = remote
-  with pytest.raises(data.DataError, match=r"missing train_images\.gz, train_labels\.gz, "
+  with pytest.raises(mnist.DataError, match=r"missing train_images\.gz, train_labels\.gz, "
                      r"test_images\.gz, test_labels\.gz in .*cache: downloads are off"
                      r".*--data_dir"):
-    data.ensure_files("tiny", str(dest), download_missing=False)
+    mnist.ensure_files("tiny", str(dest), download_missing=False)
 
 
 def _run_dataset(ds):
@@ -238,7 +238,7 @@ def test_augmentation_is_an_exact_shift_of_at_most_two_pixels():
   images = rng.randint(1, 256, (40, 10, 10, 1)).astype(np.uint8)  # no zeros
   labels = rng.randint(0, 10, 40).astype(np.int32)
   with tf.Graph().as_default():
-    batches = _run_dataset(data.make_dataset(images, labels, 16, augment=True, seed=3))
+    batches = _run_dataset(mnist.make_dataset(images, labels, 16, augment=True, seed=3))
   x = np.concatenate([b[0] for b in batches])
   y = np.concatenate([b[1] for b in batches])
   np.testing.assert_array_equal(y, labels)
@@ -264,14 +264,14 @@ def test_augmentation_reproducible_with_seed():
   runs = []
   for seed in (5, 5, 6):
     with tf.Graph().as_default():
-      batches = _run_dataset(data.make_dataset(images, labels, 8, augment=True, seed=seed))
+      batches = _run_dataset(mnist.make_dataset(images, labels, 8, augment=True, seed=seed))
     runs.append(np.concatenate([b[0] for b in batches]))
   np.testing.assert_array_equal(runs[0], runs[1])
   assert not np.array_equal(runs[0], runs[2])
 
 
 def test_epoch_order_is_a_seeded_permutation():
-  a, b, c = data.epoch_order(100, 1, 0), data.epoch_order(100, 1, 0), data.epoch_order(100, 1, 1)
+  a, b, c = mnist.epoch_order(100, 1, 0), mnist.epoch_order(100, 1, 0), mnist.epoch_order(100, 1, 1)
   np.testing.assert_array_equal(a, b)
   np.testing.assert_array_equal(np.sort(a), np.arange(100))
   assert not np.array_equal(a, c)
@@ -282,7 +282,7 @@ def test_eval_pipeline_yields_every_example_once(n, batch):
   images = np.zeros((n, 4, 4, 1), np.uint8)
   labels = np.arange(n, dtype=np.int32)
   with tf.Graph().as_default():
-    batches = _run_dataset(data.make_dataset(images, labels, batch))
+    batches = _run_dataset(mnist.make_dataset(images, labels, batch))
   assert [len(b[1]) for b in batches] == [batch] * (n // batch) + ([n % batch] if n % batch else [])
   np.testing.assert_array_equal(np.concatenate([b[1] for b in batches]), labels)
 
@@ -293,17 +293,17 @@ MNIST_DIR = os.path.join(ROOT, "data", "mnist")
 @pytest.mark.skipif(not os.path.isdir(MNIST_DIR) or len(os.listdir(MNIST_DIR)) < 4,
                     reason=f"real MNIST files not in {MNIST_DIR} (.ci/run seeds them)")
 def test_real_mnist_md5_and_label_histograms():
-  for name, md5, size in data.DATASETS["mnist"]["files"].values():
+  for name, md5, size in mnist.DATASETS["mnist"]["files"].values():
     path = os.path.join(MNIST_DIR, name)
     assert os.path.getsize(path) == size
-    assert data.md5_of(path) == md5
-  splits = data.load("mnist", MNIST_DIR, val_size=0, download_missing=False)
+    assert mnist.md5_of(path) == md5
+  splits = mnist.load("mnist", MNIST_DIR, val_size=0, download_missing=False)
   assert splits["train"][0].shape == (60000, 28, 28, 1)
   assert np.bincount(splits["train"][1]).tolist() == [
       5923, 6742, 5958, 6131, 5842, 5421, 5918, 6265, 5851, 5949]
   assert np.bincount(splits["test"][1]).tolist() == [
       980, 1135, 1032, 1010, 982, 892, 958, 1028, 974, 1009]
-  default = data.load("mnist", MNIST_DIR, download_missing=False)
+  default = mnist.load("mnist", MNIST_DIR, download_missing=False)
   assert [len(default[s][1]) for s in ("train", "validation", "test")] == [55000, 5000, 10000]
 
 
@@ -313,17 +313,17 @@ def test_shards_of_a_batch_shift_as_the_whole_batch_does():
   rng = np.random.RandomState(0)
   images = rng.randint(0, 256, (20, 6, 6, 1)).astype(np.uint8)
   labels = np.arange(20) % 10
-  order = data.epoch_order(20, 1, 0)
+  order = mnist.epoch_order(20, 1, 0)
   def batches(order, batch, shard):
-    ds = data.make_dataset(images[order], labels[order], batch, augment=True, seed=5,
+    ds = mnist.make_dataset(images[order], labels[order], batch, augment=True, seed=5,
                            drop_remainder=True, shard=shard)
     return _run_dataset(ds)
   whole = batches(order, 8, (0, 1))
-  halves = [batches(data.shard_order(order, 4, w, 2), 4, (w, 2)) for w in range(2)]
+  halves = [batches(mnist.shard_order(order, 4, w, 2), 4, (w, 2)) for w in range(2)]
   assert len(whole) == len(halves[0]) == len(halves[1]) == 2   # 16 of 20 used
   for k in range(2):
     np.testing.assert_array_equal(np.concatenate([halves[0][k][0], halves[1][k][0]]),
                                   whole[k][0])
     np.testing.assert_array_equal(np.concatenate([halves[0][k][1], halves[1][k][1]]),
                                   whole[k][1])
-  np.testing.assert_array_equal(data.shard_order(order, 4, 1, 2), order[[4, 5, 6, 7, 12, 13, 14, 15]])
+  np.testing.assert_array_equal(mnist.shard_order(order, 4, 1, 2), order[[4, 5, 6, 7, 12, 13, 14, 15]])

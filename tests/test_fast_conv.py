@@ -1,10 +1,10 @@
-"""capsnet.fast_conv: every method equals tf.nn.conv2d, and the one place that
+"""capsnet.model.fast_conv: every method equals tf.nn.conv2d, and the one place that
 chooses among them."""
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from capsnet import fast_conv
+from capsnet.model import fast_conv
 
 # (height, width, kernel, stride): sizes that are not multiples of the stride,
 # non-square inputs, and a row/column that no output window covers.

@@ -9,7 +9,7 @@ import shutil
 import pytest
 import tensorflow as tf
 
-from capsnet import runs
+from capsnet.running import runs
 from conftest import QUICK, eval_here, last_line, listed, needs_mnist, rows, train_here
 
 

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from capsnet import runs
-from capsnet import stopping
+from capsnet.running import runs
+from capsnet.running import stopping
 from conftest import (QUICK, TIMING, last_line, latest_step, listed, needs_mnist, rows,
                       start, train_here, wait_until, weights_sha256)
 

@@ -3,29 +3,29 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from capsnet import evaluation
-from capsnet import layers
-from capsnet import losses
-from capsnet import model
+from capsnet.running import evaluation
+from capsnet.model import layers
+from capsnet.model import losses
+from capsnet.model import network
 
 
 def _count_params(cfg):
   with tf.Graph().as_default():
     images = tf.compat.v1.placeholder(tf.float32, [None, 28, 28, 1])
-    model.forward(images, tf.zeros([1], tf.int32), cfg, training=True)
+    network.forward(images, tf.zeros([1], tf.int32), cfg, training=True)
     return sum(int(np.prod(v.shape)) for v in tf.compat.v1.trainable_variables())
 
 
 def test_paper_parameter_counts():
-  assert _count_params(model.ModelConfig(use_decoder=False)) == 6_804_224
-  assert _count_params(model.ModelConfig()) == 8_215_568
+  assert _count_params(network.ModelConfig(use_decoder=False)) == 6_804_224
+  assert _count_params(network.ModelConfig()) == 8_215_568
 
 
 def test_paper_shapes_and_derived_sizes():
-  cfg = model.ModelConfig()
+  cfg = network.ModelConfig()
   assert (cfg.conv1_size, cfg.primary_size, cfg.in_caps) == (20, 6, 1152)
   with tf.Graph().as_default():
-    out = model.forward(tf.zeros([2, 28, 28, 1]), tf.zeros([2], tf.int32),
+    out = network.forward(tf.zeros([2, 28, 28, 1]), tf.zeros([2], tf.int32),
                         cfg, training=False)
     assert out.u_hat.shape.as_list() == [2, 1152, 10, 16]
     assert out.v.shape.as_list() == [2, 10, 16]
@@ -37,10 +37,10 @@ def test_paper_shapes_and_derived_sizes():
 
 
 def test_other_image_sizes_and_channels_build():
-  cfg = model.ModelConfig(image_size=40, image_channels=3)
+  cfg = network.ModelConfig(image_size=40, image_channels=3)
   assert cfg.in_caps == 12 * 12 * 32
   with tf.Graph().as_default():
-    out = model.forward(tf.zeros([1, 40, 40, 3]), tf.zeros([1], tf.int32),
+    out = network.forward(tf.zeros([1, 40, 40, 3]), tf.zeros([1], tf.int32),
                         cfg, training=True)
     assert out.u_hat.shape.as_list() == [1, 4608, 10, 16]
     assert out.reconstructions.shape.as_list() == [1, 40 * 40 * 3]
@@ -69,7 +69,7 @@ def test_reconstruction_loss_hand_computed():
 def test_total_loss_is_batch_mean_of_terms(tiny_cfg):
   rng = np.random.RandomState(0)
   with tf.Graph().as_default(), tf.compat.v1.Session() as sess:
-    out = model.forward(tf.constant(rng.rand(4, 12, 12, 1)),
+    out = network.forward(tf.constant(rng.rand(4, 12, 12, 1)),
                         tf.constant([0, 1, 2, 1]), tiny_cfg, training=True)
     sess.run(tf.compat.v1.global_variables_initializer())
     m, r, total, acc, lengths, preds = sess.run(
@@ -86,7 +86,7 @@ def test_decoder_ignores_non_target_capsules(tiny_cfg, training):
   rng = np.random.RandomState(0)
   labels = np.array([0, 2])
   with tf.Graph().as_default(), tf.compat.v1.Session() as sess:
-    out = model.forward(tf.constant(rng.rand(2, 12, 12, 1)), tf.constant(labels),
+    out = network.forward(tf.constant(rng.rand(2, 12, 12, 1)), tf.constant(labels),
                         tiny_cfg, training=training)
     sess.run(tf.compat.v1.global_variables_initializer())
     v, preds, recon = sess.run([out.v, out.predictions, out.reconstructions])
@@ -112,19 +112,19 @@ def test_decoder_ignores_non_target_capsules(tiny_cfg, training):
 ])
 def test_invalid_config_names_the_field(field, value):
   with pytest.raises(ValueError, match=f"ModelConfig.{field} "):
-    model.ModelConfig(**{field: value})
+    network.ModelConfig(**{field: value})
 
 
 def test_image_too_small_for_kernels():
   with pytest.raises(ValueError, match="ModelConfig.image_size=16 is too small"):
-    model.ModelConfig(image_size=16)
+    network.ModelConfig(image_size=16)
 
 
 def test_forward_rejects_wrong_image_shape(tiny_cfg):
   with tf.Graph().as_default():
     with pytest.raises(ValueError, match=r"images must be \[batch, 12, 12, 1\], "
                        r"got shape \(2, 28, 28, 1\)"):
-      model.forward(tf.zeros([2, 28, 28, 1]), tf.zeros([2], tf.int32),
+      network.forward(tf.zeros([2, 28, 28, 1]), tf.zeros([2], tf.int32),
                     tiny_cfg, training=True)
 
 
@@ -162,10 +162,10 @@ def test_bf16_and_fp32_predictions_agree():
   images = rng.rand(8, 28, 28, 1).astype(np.float32)
   results = {}
   for precision in ("fp32", "bf16"):
-    cfg = model.ModelConfig(precision=precision)
+    cfg = network.ModelConfig(precision=precision)
     with tf.Graph().as_default(), tf.compat.v1.Session() as sess:
       tf.compat.v1.set_random_seed(0)
-      out = model.forward(tf.constant(images), tf.zeros([8], tf.int32), cfg,
+      out = network.forward(tf.constant(images), tf.zeros([8], tf.int32), cfg,
                           training=False)
       # Larger W than the init, so that lengths spread and argmax is stable.
       r = np.random.RandomState(1)
@@ -197,13 +197,13 @@ def test_routing_movement_uniform_and_one_hot():
 
 
 def test_official_layers_parameter_count_and_shapes():
-  official = model.ModelConfig(capsule_layers="official")
+  official = network.ModelConfig(capsule_layers="official")
   # DigitCaps gains a [10, 16] bias; PrimaryCaps' bias replaces the conv's.
   assert _count_params(official) == 8_215_568 + 160 == 8_215_728
-  assert _count_params(model.ModelConfig(capsule_layers="official",
+  assert _count_params(network.ModelConfig(capsule_layers="official",
                                          use_decoder=False)) == 6_804_224 + 160
   with tf.Graph().as_default():
-    out = model.forward(tf.zeros([2, 28, 28, 1]), tf.zeros([2], tf.int32), official,
+    out = network.forward(tf.zeros([2, 28, 28, 1]), tf.zeros([2], tf.int32), official,
                         training=False)
     assert out.u.shape.as_list() == [2, 1152, 8]
     assert out.u_hat.shape.as_list() == [2, 1152, 10, 16]
@@ -212,7 +212,7 @@ def test_official_layers_parameter_count_and_shapes():
   assert shapes["capsnet/digit_caps/biases"] == [10, 16]
   assert shapes["capsnet/primary_caps/biases"] == [256]
   with pytest.raises(ValueError, match="capsule_layers must be one of"):
-    model.ModelConfig(capsule_layers="keras")
+    network.ModelConfig(capsule_layers="keras")
 
 
 def test_official_initialisers(tiny_cfg):
@@ -221,7 +221,7 @@ def test_official_initialisers(tiny_cfg):
                             digit_dim=16)
   with tf.Graph().as_default():
     tf.compat.v1.set_random_seed(0)
-    model.forward(tf.zeros([1, 12, 12, 1], tf.float64), tf.zeros([1], tf.int32), cfg,
+    network.forward(tf.zeros([1, 12, 12, 1], tf.float64), tf.zeros([1], tf.int32), cfg,
                   training=True)
     with tf.compat.v1.Session() as sess:
       sess.run(tf.compat.v1.global_variables_initializer())
@@ -269,11 +269,11 @@ def test_official_primary_caps_divide_by_types_and_digit_bias():
 
 
 def test_precision_policy_is_decided_once_from_the_config():
-  p = model.precision_policy(model.ModelConfig())
+  p = network.precision_policy(network.ModelConfig())
   assert (p.variables, p.compute) == (tf.float32, tf.float32)
-  p = model.precision_policy(model.ModelConfig(precision="bf16"))
+  p = network.precision_policy(network.ModelConfig(precision="bf16"))
   assert (p.variables, p.compute) == (tf.float32, tf.bfloat16)
-  p = model.precision_policy(model.ModelConfig(dtype="float64"))
+  p = network.precision_policy(network.ModelConfig(dtype="float64"))
   assert (p.variables, p.compute) == (tf.float64, tf.float64)
   with tf.Graph().as_default():   # bf16: float32 variables, bf16 conv output
     x = layers.conv1(tf.zeros([1, 12, 12, 1]), 4, 3,

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from capsnet import losses
-from capsnet import model
-from capsnet import multimnist
+from capsnet.model import losses
+from capsnet.model import network
+from capsnet.data import multimnist
 from conftest import SMALL, eval_here, needs_mnist, train_here
 
 
@@ -138,21 +138,21 @@ def test_tensorflow_placement_equals_numpy_for_shifts_up_to_6():
 
 
 def test_paper_model_on_36x36_has_10x10x32_primary_capsules():
-  cfg = model.ModelConfig(image_size=36)
+  cfg = network.ModelConfig(image_size=36)
   assert (cfg.primary_size, cfg.in_caps) == (10, 3200)
   with tf.Graph().as_default():
     images = tf.compat.v1.placeholder(tf.float32, [None, 36, 36, 1])
-    out = model.forward(images, tf.zeros([1, 2], tf.int32), cfg, training=True,
+    out = network.forward(images, tf.zeros([1, 2], tf.int32), cfg, training=True,
                         targets=tf.zeros([1, 2, 36, 36, 1]), two_digits=True)
     # the task says how many labels an image has; a rank that does not fit
     # is refused, not guessed
     with pytest.raises(ValueError, match=r"labels must be \[batch, 2\] with "
                        r"two_digits=True, got shape \(1,\)"):
-      model.forward(images, tf.zeros([1], tf.int32), cfg, training=True,
+      network.forward(images, tf.zeros([1], tf.int32), cfg, training=True,
                     targets=tf.zeros([1, 2, 36, 36, 1]), two_digits=True)
     with pytest.raises(ValueError, match=r"labels must be \[batch\] with "
                        r"two_digits=False, got shape \(1, 2\)"):
-      model.forward(images, tf.zeros([1, 2], tf.int32), cfg, training=True)
+      network.forward(images, tf.zeros([1, 2], tf.int32), cfg, training=True)
     count = sum(int(np.prod(v.shape)) for v in tf.compat.v1.trainable_variables())
   # W alone: 3200 x 10 x 8 x 16; the decoder's output layer has 36 * 36 units.
   assert count == 11_361_808
@@ -163,14 +163,14 @@ def test_paper_model_on_36x36_has_10x10x32_primary_capsules():
 def test_two_digit_heads_on_fixed_capsules():
   """Top-2 predictions, exact-pair accuracy and the two-label margin loss
   from capsules set by hand (through forward's heads, decoder off)."""
-  cfg = model.ModelConfig(num_classes=4, digit_dim=2, use_decoder=False)
+  cfg = network.ModelConfig(num_classes=4, digit_dim=2, use_decoder=False)
   v = np.zeros([2, 4, 2])
   v[0, 1, 0], v[0, 3, 1], v[0, 0, 0] = 0.95, 0.7, 0.3      # top {1, 3}
   v[1, 2, 0], v[1, 0, 0] = 0.8, 0.6                         # top {2, 0}
   labels = np.array([[3, 1], [2, 1]])
   lengths = np.sqrt((v ** 2).sum(-1) + 1e-12)
   with tf.Graph().as_default(), tf.compat.v1.Session() as sess:
-    top2, recon, margin, recon_loss, correct = model._two_digit_heads(
+    top2, recon, margin, recon_loss, correct = network._two_digit_heads(
         tf.constant(v), tf.constant(lengths), tf.constant(labels, tf.int32), None,
         cfg, False)
     assert recon is None
@@ -211,7 +211,7 @@ def test_multimnist_training_and_evaluation_smoke(tmp_path):
 
 
 def test_tasks_say_what_each_data_set_is():
-  from capsnet import tasks
+  from capsnet.data import tasks
   mnist, fashion, pairs = (tasks.get(n, 6) for n in ("mnist", "fashion_mnist", "multimnist"))
   assert (mnist.two_digits, fashion.two_digits, pairs.two_digits) == (False, False, True)
   assert (mnist.files, fashion.files, pairs.files) == ("mnist", "fashion_mnist", "mnist")

@@ -9,7 +9,7 @@ import subprocess
 
 import tensorflow as tf
 
-from capsnet import runs
+from capsnet.running import runs
 from conftest import (QUICK, TIMING, eval_here, last_line, latest_step, listed,
                       needs_mnist, rows, start, train_here, wait_until, weights_sha256)
 

@@ -7,9 +7,9 @@ import os
 import pytest
 import tensorflow as tf
 
-from capsnet import evaluation
-from capsnet import data
-from capsnet import runs
+from capsnet.running import evaluation
+from capsnet.data import mnist
+from capsnet.running import runs
 from conftest import MNIST, ROOT, needs_mnist
 
 PRETRAINED = os.path.join(ROOT, "pretrained", "r3_recon")
@@ -24,7 +24,7 @@ def test_shipped_weights_make_the_readme_number_of_test_errors():
   assert runs.damage(ckpt) is None
   cfg = runs.load_config(run)[0]
   assert cfg.precision == "fp32"
-  images, labels = data.load("mnist", MNIST, 5000, download_missing=False)["test"]
+  images, labels = mnist.load("mnist", MNIST, 5000, download_missing=False)["test"]
   with tf.Graph().as_default():
     ev = evaluation.build(cfg, 500)
     runs.check_matches(ckpt, tf.compat.v1.global_variables())

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from capsnet import routing
+from capsnet.model import routing
 
 
 def np_squash(s):

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from capsnet import losses
-from capsnet import model
-from capsnet import routing
+from capsnet.model import losses
+from capsnet.model import network
+from capsnet.model import routing
 
 GRAD_VARS = ("capsnet/digit_caps/weights", "capsnet/primary_caps/weights",
              "capsnet/conv1/weights")
@@ -28,7 +28,7 @@ def _two_mode_graph(cfg, iters, seed=0, batch=3):
   for stop in (True, False):
     mode_cfg = dataclasses.replace(cfg, iter_routing=iters, stop_gradient=stop)
     with tf.name_scope(f"stop_{stop}"):
-      outs[stop] = model.forward(images, labels, mode_cfg, training=True)
+      outs[stop] = network.forward(images, labels, mode_cfg, training=True)
   return outs
 
 

@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import pytest
 
-from capsnet import stats
+from capsnet.using import stats
 from capsnet import study
 from conftest import ROOT, SMALL, needs_mnist
 

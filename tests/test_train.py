@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from capsnet import data
-from capsnet import model
-from capsnet import runs
+from capsnet.data import mnist
+from capsnet.model import network
+from capsnet.running import runs
 from conftest import MNIST, SMALL, TINY, cli, last_line, needs_mnist, train_here
 
 def scalars(logdir, tag):
@@ -74,10 +74,10 @@ def test_diagnostic_rows_are_the_gradient_share_of_the_fixed_batch(run_dir):
   """The last diagnostic row, recomputed from the step-50 checkpoint on the
   same fixed batch (the first 32 training images)."""
   logdir, _ = run_dir
-  cfg = model.ModelConfig(**json.load(open(os.path.join(logdir, "config.json")))["model"])
-  images, labels = data.load("mnist", MNIST, 500, download_missing=False)["train"]
+  cfg = network.ModelConfig(**json.load(open(os.path.join(logdir, "config.json")))["model"])
+  images, labels = mnist.load("mnist", MNIST, 500, download_missing=False)["train"]
   with tf.Graph().as_default(), tf.compat.v1.Session() as sess:
-    diag = model.gradient_diagnostic(tf.constant(images[:32], tf.float32) / 255.0,
+    diag = network.gradient_diagnostic(tf.constant(images[:32], tf.float32) / 255.0,
                                      tf.constant(labels[:32]), cfg)
     model_vars = [v for v in tf.compat.v1.global_variables()]
     tf.compat.v1.train.Saver(model_vars).restore(
@@ -214,7 +214,7 @@ def test_run_folder_errors(tmp_path, run_dir):
   ckpt, run = runs.resolve(str(other), "best")
   assert ckpt == f"{other}/best/model.ckpt-50"
   with tf.Graph().as_default():
-    model.forward(tf.zeros([1, 28, 28, 1]), tf.zeros([1], tf.int32),
+    network.forward(tf.zeros([1, 28, 28, 1]), tf.zeros([1], tf.int32),
                   runs.load_config(run)[0], training=False)
     with pytest.raises(runs.RunError, match=re.escape(
         f"{ckpt}: checkpoint of another architecture: capsnet/digit_caps/weights "
@@ -231,12 +231,12 @@ def _tower_graph(devices, cfg):
   images = tf.constant(rng.rand(4, cfg.image_size, cfg.image_size, 1))
   labels = tf.constant([0, 1, 2, 1])
   opt = tf.compat.v1.train.GradientDescentOptimizer(0.1)
-  grads, outs = model.tower_gradients(images, labels, cfg, opt, devices)
+  grads, outs = network.tower_gradients(images, labels, cfg, opt, devices)
   return grads, outs
 
 
 def test_two_towers_same_variables_and_full_batch_gradient():
-  cfg = model.ModelConfig(**TINY)
+  cfg = network.ModelConfig(**TINY)
   proto = tf.compat.v1.ConfigProto(device_count={"CPU": 2}, allow_soft_placement=True)
   results = {}
   for devices in (["/cpu:0"], ["/cpu:0", "/cpu:1"]):
@@ -261,7 +261,7 @@ def test_two_towers_same_variables_and_full_batch_gradient():
 
 
 def test_gpu_placement_recorded_and_soft_placed_on_cpu():
-  cfg = model.ModelConfig(**TINY)
+  cfg = network.ModelConfig(**TINY)
   with tf.Graph().as_default() as graph:
     grads, outs = _tower_graph(["/gpu:0"], cfg)
     compute = [op for op in graph.get_operations()
@@ -306,12 +306,12 @@ def _ops_without_gpu_kernel(graph):
 def test_training_graph_for_gpu_has_gpu_kernels(precision, conv_impl):
   """The paper model's training step built for /gpu:0 (no GPU needed: the
   wheel registers its GPU kernels anyway): every op there can run on a GPU."""
-  cfg = model.ModelConfig(precision=precision, conv_impl=conv_impl)
+  cfg = network.ModelConfig(precision=precision, conv_impl=conv_impl)
   with tf.Graph().as_default() as graph:
     images = tf.compat.v1.placeholder(tf.float32, [None, 28, 28, 1])
     labels = tf.compat.v1.placeholder(tf.int32, [None])
     opt = tf.compat.v1.train.AdamOptimizer(1e-3)
-    grads, _ = model.tower_gradients(images, labels, cfg, opt, ["/gpu:0"])
+    grads, _ = network.tower_gradients(images, labels, cfg, opt, ["/gpu:0"])
     with tf.compat.v1.device("/gpu:0"):
       opt.apply_gradients(grads)
     on_gpu = [op for op in graph.get_operations() if "GPU" in op.device.upper()]

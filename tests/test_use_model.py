@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from capsnet import evaluation
-from capsnet import data
-from capsnet import pictures
-from capsnet import runs
-from capsnet import serving
+from capsnet.running import evaluation
+from capsnet.data import mnist
+from capsnet.using import pictures
+from capsnet.running import runs
+from capsnet.using import serving
 from conftest import MNIST, ROOT, SMALL, eval_here, last_line, needs_mnist, train_here
 
 PRETRAINED = os.path.join(ROOT, "pretrained", "r3_recon")
@@ -36,7 +36,7 @@ def small_run(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def mnist_test_split():
-  return data.load("mnist", MNIST, 5000, download_missing=False)["test"]
+  return mnist.load("mnist", MNIST, 5000, download_missing=False)["test"]
 
 
 def write_as_photos(digits, folder, seed=0):

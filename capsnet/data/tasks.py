@@ -18,7 +18,7 @@ import importlib
 
 
 def _module(name):
-  return importlib.import_module(f"capsnet.{name}")
+  return importlib.import_module(f"capsnet.data.{name}")
 
 
 class Digits:
@@ -31,17 +31,17 @@ class Digits:
 
   def load(self, data_dir, val_size, download):
     """dict split -> (images uint8 [n, h, w, c], labels [n])."""
-    return _module("data").load(self.name, data_dir, val_size, download)
+    return _module("mnist").load(self.name, data_dir, val_size, download)
 
   def train_pipeline(self, image_shape, batch_size, shard):
     """Batches of the epoch's images in the order fed, shifted (augmented)."""
-    return _module("data").fed_pipeline(image_shape, batch_size, augment=True,
+    return _module("mnist").fed_pipeline(image_shape, batch_size, augment=True,
                                         drop_remainder=True, name="train_input",
                                         shard=shard)
 
   def eval_pipeline(self, image_shape, batch_size):
     """Batches in order, the last partial one kept."""
-    return _module("data").fed_pipeline(image_shape, batch_size, name="eval_input")
+    return _module("mnist").fed_pipeline(image_shape, batch_size, name="eval_input")
 
   def epoch_feed(self, pipe, train, order):
     """The feed of the training iterator's initializer for an epoch's
@@ -70,7 +70,7 @@ class DigitPairs:
   def load(self, data_dir, val_size, download):
     """dict split -> "train": (digits, labels), the others: (images, labels
     [n, 2], targets [n, 2, h, w, 1])."""
-    mnist = _module("data").load("mnist", data_dir, val_size, download)
+    mnist = _module("mnist").load("mnist", data_dir, val_size, download)
     return _module("multimnist").load(mnist, self._shift())
 
   def train_pipeline(self, image_shape, batch_size, shard):

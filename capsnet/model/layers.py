@@ -27,8 +27,8 @@ import collections
 
 import tensorflow as tf
 
-from capsnet import fast_conv
-from capsnet import routing
+from capsnet.model import fast_conv
+from capsnet.model import routing
 
 
 Precision = collections.namedtuple("Precision", [

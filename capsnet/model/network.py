@@ -8,10 +8,10 @@ import dataclasses
 
 import tensorflow as tf
 
-from capsnet import fast_conv
-from capsnet import layers
-from capsnet import losses
-from capsnet import routing
+from capsnet.model import fast_conv
+from capsnet.model import layers
+from capsnet.model import losses
+from capsnet.model import routing
 
 
 # ModelConfig.capsule_layers: the paper's layers, or those of the authors'

@@ -1,5 +1,6 @@
 """The TensorFlow side of between-graph replication for train.py (see
-capsnet/cluster.py for the cluster description and the launcher).
+capsnet/running/cluster_spec.py for the cluster description, capsnet/cluster.py
+for the launcher).
 
 What a process does, by role:
 - ps: starts its server and serves the variables until the chief puts a
@@ -19,7 +20,7 @@ import time
 
 import tensorflow as tf
 
-from capsnet import cluster
+from capsnet.running import cluster_spec
 
 Coordination = collections.namedtuple("Coordination", [
     "ready_op", "local_init_op", "ready_for_local_init_op",
@@ -54,7 +55,7 @@ def wrap_optimizer(optimizer, info, sync):
   the optimizer itself (one process, or asynchronous updates)."""
   if info is None or not sync:
     return optimizer
-  workers = cluster.num_workers(info)
+  workers = cluster_spec.num_workers(info)
   return tf.compat.v1.train.SyncReplicasOptimizer(
       optimizer, replicas_to_aggregate=workers, total_num_replicas=workers)
 
@@ -101,9 +102,9 @@ def open_session(info, server, graph, proto, coord, wait_secs):
   initialises or restores); another worker's waits until the chief has
   made the model ready.
 
-  Raises: cluster.ClusterError if that takes over `wait_secs`.
+  Raises: cluster_spec.ClusterError if that takes over `wait_secs`.
   """
-  if cluster.is_chief(info):
+  if cluster_spec.is_chief(info):
     return tf.compat.v1.Session(server.target, graph=graph, config=proto)
   manager = tf.compat.v1.train.SessionManager(
       local_init_op=coord.local_init_op, ready_op=coord.ready_op,
@@ -111,7 +112,7 @@ def open_session(info, server, graph, proto, coord, wait_secs):
       recovery_wait_secs=0.5)
   sess = manager.wait_for_session(server.target, config=proto, max_wait_secs=wait_secs)
   if sess is None:
-    raise cluster.ClusterError(f"the chief did not make the model ready within "
+    raise cluster_spec.ClusterError(f"the chief did not make the model ready within "
                                f"{wait_secs} s (--cluster_wait_secs)")
   return sess
 
@@ -140,7 +141,7 @@ def wait_for_global_step(sess, global_step, step, seconds=60):
   deadline = time.time() + seconds
   while sess.run(global_step) < step:
     if time.time() > deadline:
-      raise cluster.ClusterError(f"the update of step {step} was not applied within "
+      raise cluster_spec.ClusterError(f"the update of step {step} was not applied within "
                                  f"{seconds} s (a worker gone?)")
     time.sleep(0.05)
 
@@ -176,7 +177,7 @@ def serve_ps(info, idle_check_secs=30):
             timeout_in_ms=idle_check_secs * 1000))
         return "done"
       except tf.errors.DeadlineExceededError:
-        silent = 0 if cluster.any_reachable(info.spec["worker"]) else silent + 1
+        silent = 0 if cluster_spec.any_reachable(info.spec["worker"]) else silent + 1
   return "no worker answers"
 
 

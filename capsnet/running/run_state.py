@@ -10,7 +10,7 @@ import os
 
 import tensorflow as tf
 
-from capsnet import runs
+from capsnet.running import runs
 
 
 @dataclasses.dataclass

@@ -3,7 +3,7 @@ the model variables, updated after each step, and an evaluation graph that
 reads the averages."""
 import tensorflow as tf
 
-from capsnet import evaluation
+from capsnet.running import evaluation
 
 
 def weight_averaging(cfg, ema_decay, eval_batch_size, state, train_op, device, task):

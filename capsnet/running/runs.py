@@ -25,7 +25,7 @@ import os
 import socket
 import tempfile
 
-from capsnet import files
+from capsnet.running import files
 
 
 class RunError(ValueError):
@@ -49,9 +49,9 @@ def _tf():
   return tf
 
 
-def _model():
-  from capsnet import model   # pylint: disable=import-outside-toplevel
-  return model
+def _network():
+  from capsnet.model import network   # pylint: disable=import-outside-toplevel
+  return network
 
 
 def _read_json(path, default=None):
@@ -107,7 +107,7 @@ class RunFolder:
     if saved is None:
       raise RunError(f"{self.file(CONFIG_FILE)}: missing; cannot rebuild the graph")
     try:
-      cfg = _model().ModelConfig(**saved["model"])
+      cfg = _network().ModelConfig(**saved["model"])
     except (ValueError, TypeError) as e:
       raise RunError(f"{self.file(CONFIG_FILE)}: not a valid config.json ({e})") from None
     return cfg, saved.get("train", {})
@@ -138,7 +138,7 @@ class RunFolder:
             "model)")
       return
     old_model, old_train = saved["model"], saved.get("train", {})
-    defaults = dataclasses.asdict(_model().ModelConfig())   # fields added since
+    defaults = dataclasses.asdict(_network().ModelConfig())   # fields added since
     for field, value in model_fields.items():
       if field not in may_change:
         _same(path, field, old_model.get(field, defaults.get(field)), value)

@@ -8,9 +8,9 @@ import collections
 import numpy as np
 import tensorflow as tf
 
-from capsnet import tasks
-from capsnet import model
-from capsnet import multimnist
+from capsnet.data import tasks
+from capsnet.model import network
+from capsnet.data import multimnist
 
 EvalGraph = collections.namedtuple(
     "EvalGraph", ["images", "labels", "iterator", "outputs", "batch_images", "targets",
@@ -18,7 +18,7 @@ EvalGraph = collections.namedtuple(
 
 
 def build(cfg, batch_size, device=None, task=None, routing_stats=False):
-  """Eval pipeline on the CPU and `model.forward(training=False)` on `device`.
+  """Eval pipeline on the CPU and `network.forward(training=False)` on `device`.
 
   Args:
     task: the data set's `tasks` task (default: MNIST's); MultiMNIST's has
@@ -34,7 +34,7 @@ def build(cfg, batch_size, device=None, task=None, routing_stats=False):
                             batch_size)
   batch_images, batch_labels, batch_targets = pipe.batch
   with tf.compat.v1.device(device), tf.name_scope("eval"):
-    outputs = model.forward(batch_images, batch_labels, cfg, training=False,
+    outputs = network.forward(batch_images, batch_labels, cfg, training=False,
                             device=device, targets=batch_targets,
                             two_digits=task.two_digits)
     routing = routing_movement(outputs.couplings) if routing_stats else None
@@ -43,7 +43,7 @@ def build(cfg, batch_size, device=None, task=None, routing_stats=False):
 
 
 def routing_movement(couplings):
-  """`model.routing_movement` of every routing iteration, in float64 (exact
+  """`network.routing_movement` of every routing iteration, in float64 (exact
   means over 10,000 images).
 
   Args:
@@ -51,7 +51,7 @@ def routing_movement(couplings):
       iteration, the first first (the first is uniform: softmax of zeros).
   Returns: dict of `[batch, iterations]` tensors, "entropy" and "max_c".
   """
-  moved = [model.routing_movement(tf.cast(c, tf.float64)) for c in couplings]
+  moved = [network.routing_movement(tf.cast(c, tf.float64)) for c in couplings]
   return {"entropy": tf.stack([e for e, _ in moved], axis=1),
           "max_c": tf.stack([m for _, m in moved], axis=1)}
 

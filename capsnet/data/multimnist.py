@@ -17,7 +17,7 @@ shifted digits are kept: they are the reconstruction targets.
 import numpy as np
 import tensorflow as tf
 
-from capsnet import data
+from capsnet.data import mnist
 
 CANVAS = 36
 PAIR_SHIFT = 4   # each digit of a pair shifted by up to 4 pixels (Section 6)
@@ -149,9 +149,9 @@ def eval_pipeline(batch_size, name="eval_input", size=CANVAS):
     ds = tf.data.Dataset.from_tensor_slices((images, labels, targets)).batch(batch_size)
     ds = ds.map(lambda x, y, t: (_float(x), y, _float(t)), num_parallel_calls=2)
     iterator = tf.compat.v1.data.make_initializable_iterator(
-        ds.prefetch(2).with_options(data.dataset_options()))
+        ds.prefetch(2).with_options(mnist.dataset_options()))
     batch = iterator.get_next()
-  return data.Pipeline(images, labels, targets, None, None, None, iterator, batch)
+  return mnist.Pipeline(images, labels, targets, None, None, None, iterator, batch)
 
 
 def train_pipeline(batch_size, max_shift=PAIR_SHIFT, name="train_input"):
@@ -173,9 +173,9 @@ def train_pipeline(batch_size, max_shift=PAIR_SHIFT, name="train_input"):
       return _float(x), y, _float(t)
     ds = ds.enumerate().map(pairs, num_parallel_calls=2)
     iterator = tf.compat.v1.data.make_initializable_iterator(
-        ds.prefetch(2).with_options(data.dataset_options()))
+        ds.prefetch(2).with_options(mnist.dataset_options()))
     batch = iterator.get_next()
-  return data.Pipeline(digits, labels, None, order, seed, first_batch, iterator, batch)
+  return mnist.Pipeline(digits, labels, None, order, seed, first_batch, iterator, batch)
 
 
 def _float(x):

@@ -14,8 +14,8 @@ import os
 
 import tensorflow as tf
 
-from capsnet import model
-from capsnet import runs
+from capsnet.model import network
+from capsnet.running import runs
 
 
 def _graph(cfg):
@@ -23,7 +23,7 @@ def _graph(cfg):
   shape = [None, cfg.image_size, cfg.image_size, cfg.image_channels]
   images = tf.compat.v1.placeholder(tf.uint8, shape, name="images")
   x = tf.cast(images, tf.float32) / 255.0
-  out = model.forward(x, tf.zeros(tf.shape(images)[:1], tf.int32), cfg, training=False)
+  out = network.forward(x, tf.zeros(tf.shape(images)[:1], tf.int32), cfg, training=False)
   outputs = {"classes": tf.identity(out.predictions, name="classes"),
              "lengths": tf.identity(out.lengths, name="lengths")}
   if out.reconstructions is not None:

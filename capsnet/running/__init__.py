@@ -1,0 +1,4 @@
+"""Training and evaluating a model: the run folder and its lock (runs), the
+position a run resumes from (run_state), early stopping (stopping), weight
+averaging (averaging), scoring (evaluation), the cluster (cluster_spec,
+distributed), and how a program starts (startup, files)."""
