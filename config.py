@@ -265,6 +265,35 @@ class Settings:
     """The part of the settings that config.json keeps."""
     return {k: getattr(self, k) for k in RECORDED_SETTINGS}
 
+  def task(self):
+    """The data set's task (`tasks`)."""
+    return tasks.get(self.dataset, self.multimnist_shift)
+
+  def load_splits(self, cfg):
+    """train/validation/test arrays of the data set, checked against the
+    model config `cfg`.
+
+    Raises: DataError (a ValueError) for missing or corrupt files, ValueError
+    for images or labels the model cannot take, or a batch larger than the
+    training split.
+    """
+    splits = self.task().load(self.data_dir, self.val_size, self.download)
+    if self.train_size:
+      splits["train"] = tuple(a[:self.train_size] for a in splits["train"])
+    images, labels = splits["test"][:2]
+    expected = (cfg.image_size, cfg.image_size, cfg.image_channels)
+    if images.shape[1:] != expected:
+      raise ValueError(f"--dataset={self.dataset} has "
+                       f"{'x'.join(map(str, images.shape[1:]))} images, the model takes "
+                       f"{'x'.join(map(str, expected))} (--image_size, --image_channels)")
+    if labels.max() >= cfg.num_classes:
+      raise ValueError(f"--dataset={self.dataset} has labels up to {labels.max()}, the "
+                       f"model has --num_classes={cfg.num_classes}")
+    if len(splits["train"][0]) < self.batch_size:
+      raise ValueError(f"--batch_size={self.batch_size} is larger than the "
+                       f"{len(splits['train'][0])} training images")
+    return splits
+
 
 def settings_from_flags(values):
   """A `Settings` from parsed flags; resolves the device and data defaults.

@@ -41,7 +41,6 @@ from capsnet.model import network  # noqa: E402
 from capsnet.running import run_state  # noqa: E402
 from capsnet.running import runs  # noqa: E402
 from capsnet.running import stopping  # noqa: E402
-from capsnet.data import tasks  # noqa: E402
 
 config.define_train_flags()
 FLAGS = flags.FLAGS
@@ -61,37 +60,6 @@ class TrainingError(Exception):
 
 # --------------------------------------------------------------------------
 # Settings
-
-def task_of(s):
-  """The settings' data set as a `tasks` task."""
-  return tasks.get(s.dataset, s.multimnist_shift)
-
-
-def load_splits(s, cfg):
-  """train/validation/test arrays of the settings' data set, checked
-  against the model config.
-
-  Raises: DataError (a ValueError) for missing or corrupt files, ValueError
-  for images or labels the model cannot take, or a batch larger than the
-  training split.
-  """
-  splits = task_of(s).load(s.data_dir, s.val_size, s.download)
-  if s.train_size:
-    splits["train"] = tuple(a[:s.train_size] for a in splits["train"])
-  images, labels = splits["test"][:2]
-  expected = (cfg.image_size, cfg.image_size, cfg.image_channels)
-  if images.shape[1:] != expected:
-    raise ValueError(f"--dataset={s.dataset} has {'x'.join(map(str, images.shape[1:]))} "
-                     f"images, the model takes {'x'.join(map(str, expected))} "
-                     "(--image_size, --image_channels)")
-  if labels.max() >= cfg.num_classes:
-    raise ValueError(f"--dataset={s.dataset} has labels up to {labels.max()}, the "
-                     f"model has --num_classes={cfg.num_classes}")
-  if len(splits["train"][0]) < s.batch_size:
-    raise ValueError(f"--batch_size={s.batch_size} is larger than the "
-                     f"{len(splits['train'][0])} training images")
-  return splits
-
 
 def check_logdir(logdir, cfg, s):
   """Refuses a logdir that is a file, cannot be written, has checkpoints but
@@ -140,7 +108,7 @@ def build_graph(cfg, s, devices, fixed_batch):
   with graph.as_default(), distributed.device_scope(s.cluster):
     tf.compat.v1.set_random_seed(s.seed)
     state = run_state.RunState()
-    task = task_of(s)
+    task = s.task()
     pipe = task.train_pipeline([cfg.image_size, cfg.image_size, cfg.image_channels],
                                s.batch_size, (s.cluster.index if s.cluster else 0,
                                               s.workers))
@@ -204,9 +172,9 @@ def main(argv):
                        "runtime fuses the bfloat16 Conv1 into an op without a "
                        "bfloat16 CPU kernel; use --precision=fp32")
     if s.cluster and s.cluster.job == "ps":
-      why = distributed.serve_ps(s.cluster)
+      why, signum = distributed.serve_ps(s.cluster)
       print(f"train.py: ps task {s.cluster.index} ends: {why}")
-      return
+      sys.exit(128 + signum if signum else 0)
   except ValueError as e:   # ModelConfig and cluster errors
     sys.exit(f"train.py: error: {e}")
   run_lock = None   # this process's hold on the logdir (the chief's)
@@ -216,7 +184,7 @@ def main(argv):
       folder.check_writable()
       run_lock = folder.lock()   # before reading anything there
       check_resume(folder, cfg, s)
-    splits = load_splits(s, cfg)
+    splits = s.load_splits(cfg)
   except ValueError as e:   # DataError and RunError are ValueErrors
     if run_lock:   # a run that does not start leaves nothing
       run_lock.release(undo=True)
@@ -259,7 +227,7 @@ def train(cfg, s, devices, splits):
   signal (Ctrl-C: 130, SIGTERM: 143, SIGHUP: 129), once the checkpoint is
   saved. On a cluster only the chief restores, validates, saves and writes.
   """
-  fixed_batch = task_of(s).fixed_batch(splits)
+  fixed_batch = s.task().fixed_batch(splits)
   devices = distributed.worker_devices(s.cluster, devices)
   server = distributed.start_server(s.cluster) if s.cluster else None
   if s.cluster:
@@ -267,7 +235,7 @@ def train(cfg, s, devices, splits):
   g = build_graph(cfg, s, devices, fixed_batch)
   folder = runs.RunFolder(s.logdir)
   chief = cluster_spec.is_chief(s.cluster)
-  stop, runner = stopping.StopRequest(), None
+  stop, runner = stopping.StopRequest(relay=not chief), None
   try:
     with stop.installed(), open_session(g, s, devices, server) as sess:
       pos, resumed = (run_state.restore_or_init(sess, g, folder) if chief
@@ -277,18 +245,33 @@ def train(cfg, s, devices, splits):
       writer = start_writing(g, s, cfg, pos, resumed) if chief else distributed.NullWriter()
       with contextlib.closing(writer):   # on every way out (files closed)
         run = Run(sess, g, s, folder, splits, writer, stop, chief)
-        train_epochs(run, pos)
+        try:
+          train_epochs(run, pos)
+        except distributed.Halted as e:   # a worker other than the chief
+          print(f"train.py: worker {s.cluster.index} ends: the chief stopped the run "
+                f"at step {e.step} ({signal.Signals(e.signum).name})")
+          sys.exit(128 + (stop.signum or e.signum))
         writer.flush()
         if stop.requested:
-          print(f"Saved {runs.RunFolder(s.logdir).latest_checkpoint('latest')}; run "
-                f"again with --logdir={s.logdir} to resume")
-          sys.exit(stop.exit_status)
+          stop_early(run, runner, pos)
         if chief:
           final_test(run)
       if s.cluster and chief:
         distributed.stop_chief(sess, g.cluster, runner)
   finally:
     distributed.join_chief(runner)
+
+
+def stop_early(run, runner, pos):
+  """After a stop signal, with the checkpoint saved: on a cluster the chief
+  ends the other tasks first. Exits with 128 + the signal's number."""
+  if run.s.cluster:
+    distributed.halt_workers(run.sess, run.g.cluster, run.stop.signum, pos.step,
+                             run.s.cluster.spec["worker"][1:])
+    distributed.stop_chief(run.sess, run.g.cluster, runner)
+  print(f"Saved {run.folder.latest_checkpoint('latest')}; run again with "
+        f"--logdir={run.s.logdir} to resume")
+  sys.exit(run.stop.exit_status)
 
 
 def open_session(g, s, devices, server):
@@ -376,7 +359,7 @@ def run_epoch(run, pos):
                            s.workers)[pos.examples // s.workers:]
   done_batches = pos.examples // (s.batch_size * s.workers)
   feed = {g.input.seed: s.seed * 100003 + pos.epoch, g.input.first_batch: done_batches,
-          **task_of(s).epoch_feed(g.input, run.splits["train"], order)}
+          **s.task().epoch_feed(g.input, run.splits["train"], order)}
   sess.run(g.input.iterator.initializer, feed)
   bar = tqdm.tqdm(total=steps_per_epoch(run), initial=done_batches,
                   desc=f"epoch {pos.epoch + 1}/{s.epochs}", disable=not s.progress,
@@ -399,15 +382,16 @@ def train_step(run, pos, stats):
   Raises: TrainingError for a non-finite loss (nothing saved).
   """
   sess, g, s = run.sess, run.g, run.s
-  fetch = [g.train_op, g.loss, g.accuracy]
+  fetch = {"train": g.train_op, "loss": g.loss, "accuracy": g.accuracy}
   want_summary = (pos.step + 1) % s.summary_every == 0
   if want_summary:
-    fetch.append(g.summary)
-  try:
-    res = sess.run(fetch)
-  except tf.errors.OutOfRangeError:
+    fetch["summary"] = g.summary
+  if g.cluster:   # the chief reads the stops passed on to it
+    fetch["stops_waiting"] = g.cluster.stop.requests
+  res = run_step(run, pos, fetch)
+  if res is None:
     return False
-  loss, accuracy = res[1], res[2]
+  loss, accuracy = res["loss"], res["accuracy"]
   pos.step += 1   # global_step read in the same run may predate the update
   if not np.isfinite(loss):
     raise TrainingError(
@@ -420,9 +404,12 @@ def train_step(run, pos, stats):
   stats.images += s.batch_size * s.workers
   stats.last_loss, stats.last_accuracy = loss, accuracy
   if want_summary:
-    run.writer.add_summary(res[3], pos.step)
-  if not run.chief:   # the chief validates, saves and records
+    run.writer.add_summary(res["summary"], pos.step)
+  if g.cluster and not run.chief:   # the chief validates, saves and records
+    distributed.follow_the_chief(sess, g.cluster, s.cluster.index, run.stop)
     return True
+  if g.cluster:
+    distributed.hear_passed_on_stops(sess, g.cluster, res["stops_waiting"], run.stop)
   if g.diag and (pos.step % s.diag_every == 0 or pos.step == 1):
     record_diagnostic(run, pos)
   images = epoch_images(run)
@@ -434,6 +421,25 @@ def train_step(run, pos, stats):
   if pos.step % s.save_every == 0 and pos.examples < images:
     save(run, g.saver_latest, "latest", pos)   # (end_epoch saves the last step)
   return True
+
+
+def run_step(run, pos, fetch):
+  """The training step's session run. Returns None at the epoch's end.
+
+  Raises: ClusterError when a task of the cluster is gone.
+  """
+  try:
+    return run.sess.run(fetch)
+  except tf.errors.OutOfRangeError:
+    return None
+  except (tf.errors.UnavailableError, tf.errors.AbortedError,
+          tf.errors.CancelledError) as e:
+    if not run.s.cluster:
+      raise
+    raise cluster_spec.ClusterError(
+        f"step {pos.step + 1}: a task of the cluster is gone ({type(e).__name__}: "
+        f"{runs.error_reason(e)}); "
+        f"the last checkpoint is {run.folder.latest_checkpoint('latest')}") from None
 
 
 def end_epoch(run, pos, stats):

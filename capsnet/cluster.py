@@ -37,6 +37,9 @@ def define_flags():
 
 
 FLAGS = flags.FLAGS
+# A task's exit status after a stop signal to any task (the chief saves, then
+# every task ends with 128 + the signal's number): not a failure.
+STOPPED = tuple(128 + sig for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP))
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -92,7 +95,7 @@ def launch(num_ps, workers, train_args, grace_secs=30):
   try:
     while chief.poll() is None:
       failed = [(k, p.returncode) for k, p in procs.items()
-                if k != ("worker", 0) and p.poll() not in (None, 0)]
+                if k != ("worker", 0) and p.poll() not in (None, 0, *STOPPED)]
       if failed:
         (job, i), code = failed[0]
         print(f"cluster: {job} {i} ended with status {code}; see "

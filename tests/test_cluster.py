@@ -4,6 +4,7 @@ updates, and cluster descriptions that cannot work."""
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -14,7 +15,8 @@ import tensorflow as tf
 
 from capsnet import cluster
 from capsnet.running import cluster_spec
-from conftest import ROOT, SMALL, cli, eval_here, last_line, needs_mnist, train_here
+from conftest import (ROOT, SMALL, cli, eval_here, last_line, latest_step, needs_mnist,
+                      train_here, wait_until)
 
 # 320 training images: with 2 workers x 16 a step, 10 steps an epoch.
 ARGS = [*SMALL[:5], "--val_size=500", "--eval_batch_size=300", "--progress=false",
@@ -135,3 +137,66 @@ def test_tf_config_and_launcher_commands():
   assert cmds[("worker", 1)][2:] == [
       "--epochs=1", "--ps_hosts=127.0.0.1:10", "--worker_hosts=127.0.0.1:11,127.0.0.1:12",
       "--job_name=worker", "--task_index=1"]
+
+
+def _cluster_stopped_by(sig, target, logdir):
+  """1 ps + 2 synchronous workers started as separate processes (no
+  launcher); `sig` goes to `target` ((job, index)) once the chief has saved
+  step 3. Returns {(job, index): (status, output)} once all have ended."""
+  cmds = cluster.commands(1, 2, [*ARGS, "--batch_size=16", "--epochs=100",
+                                 "--save_every=3", "--summary_every=1000",
+                                 f"--logdir={logdir}"], cluster.free_ports(3))
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=ROOT)
+  procs = {k: subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, env=env, cwd=ROOT) for k, c in cmds.items()}
+  try:
+    chief = procs[("worker", 0)]
+    assert wait_until(lambda: latest_step(logdir) >= 3, proc=chief, timeout=180)
+    procs[target].send_signal(sig)
+    return {k: (p.wait(timeout=90), p.stdout.read()) for k, p in procs.items()}
+  finally:
+    for p in procs.values():
+      if p.poll() is None:
+        p.kill()
+
+
+@needs_mnist
+@pytest.mark.parametrize("target", [("worker", 0), ("worker", 1), ("ps", 0)])
+def test_sigterm_to_any_task_saves_and_every_task_ends(target, tmp_path):
+  logdir = str(tmp_path / "run")
+  ended = _cluster_stopped_by(signal.SIGTERM, target, logdir)
+  assert [ended[k][0] for k in sorted(ended)] == [0 if target[0] == "worker" else 143,
+                                                  143, 143], ended
+  chief_out = ended[("worker", 0)][1]
+  assert "Traceback" not in "".join(out for _, out in ended.values())
+  who = "" if target == ("worker", 0) else f" to {target[0]} {target[1]}"
+  assert f"SIGTERM{who}: saving a checkpoint at the end of this step" in chief_out
+  step = latest_step(logdir)
+  assert f"Saved {logdir}/latest/model.ckpt-{step}" in chief_out
+  other = ("worker", 1)
+  assert (f"train.py: worker 1 ends: the chief stopped the run at step {step} "
+          "(SIGTERM)") in ended[other][1]
+  assert "train.py: ps task 0 ends: done" in ended[("ps", 0)][1]
+
+
+@needs_mnist
+def test_sigterm_to_the_launcher_saves_and_every_task_ends(tmp_path):
+  logdir = str(tmp_path / "run")
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=ROOT)
+  proc = subprocess.Popen([sys.executable, "-m", "capsnet.cluster", "--ps=1", "--workers=2",
+                           "--", *ARGS, "--batch_size=16", "--epochs=100", "--save_every=3",
+                           f"--logdir={logdir}"], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+  try:
+    assert wait_until(lambda: latest_step(logdir) >= 3, proc=proc, timeout=180)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=90)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+  assert proc.returncode == 143, err[-3000:]
+  assert "Traceback" not in out + err and "ended with status" not in err
+  assert f"Saved {logdir}/latest/model.ckpt-{latest_step(logdir)}" in out
+  logs = out.split("logs of the others in ")[1].split()[0]
+  assert "the chief stopped the run" in open(os.path.join(logs, "worker_1.log")).read()
+  assert "ps task 0 ends: done" in open(os.path.join(logs, "ps_0.log")).read()

@@ -13,6 +13,14 @@ What a process does, by role:
   runs the SyncReplicasOptimizer's queue runner; the other workers wait for
   the model to be ready, checking every half second (the default, 30 s, is
   TensorFlow's `recovery_wait_secs`).
+
+A stop signal (Ctrl-C, SIGTERM, SIGHUP) to any worker stops the whole run
+with a checkpoint: a worker other than the chief passes it on through a
+queue on ps task 0 and trains on (a synchronous update needs every worker);
+the chief, which reads that queue with every step, stops as if the signal
+had come to it: it saves, puts a word in the "halt" queue for each other
+worker, releases those waiting for the next synchronous update, and ends the
+ps tasks. Every process then exits with 128 + the signal's number.
 """
 import collections
 import contextlib
@@ -21,10 +29,33 @@ import time
 import tensorflow as tf
 
 from capsnet.running import cluster_spec
+from capsnet.running import stopping
 
 Coordination = collections.namedtuple("Coordination", [
     "ready_op", "local_init_op", "ready_for_local_init_op",
-    "chief_init_op", "chief_queue_runner", "done_signal"])
+    "chief_init_op", "chief_queue_runner", "done_signal", "stop"])
+
+# How a stop signal to one worker reaches the others (queues on ps task 0).
+StopOps = collections.namedtuple("StopOps", [
+    "request",         # placeholder [worker index, signal number]
+    "pass_on",         # enqueues `request`
+    "requests",        # how many wait
+    "next_request",    # dequeues one
+    "halt",            # placeholder [signal number, step] the run stops with
+    "halt_others",     # one halt word per worker other than the chief
+    "halts",           # how many wait
+    "take_halt",       # dequeues one
+    "release",         # a token for each worker waiting on a synchronous update
+])
+
+
+class Halted(Exception):
+  """A worker other than the chief: the chief stopped the run (with its
+  checkpoint of `step`) on a stop signal `signum`."""
+
+  def __init__(self, signum, step):
+    super().__init__(signum, step)
+    self.signum, self.step = signum, step
 
 
 def variable_device(info):
@@ -82,7 +113,71 @@ def coordination(info, optimizer):
   done = tf.group(*[_done_queue(t).enqueue(1) for t in range(len(info.spec["ps"]))])
   for op in (ready, ready_for_local):   # not every role runs them: no warning
     getattr(op, "mark_used", lambda: None)()
-  return Coordination(ready, local_init, ready_for_local, chief_init, runner, done)
+  return Coordination(ready, local_init, ready_for_local, chief_init, runner, done,
+                      _stop_ops(info, optimizer))
+
+
+def _stop_requests(info):
+  """The queue of stop signals passed on to the chief: [task, signal number],
+  task the worker's index, or -1 - the index of a ps task."""
+  tasks = len(info.spec["worker"]) + len(info.spec["ps"])
+  with tf.compat.v1.device("/job:ps/task:0"):
+    return tf.queue.FIFOQueue(2 * tasks, tf.int32, shapes=[[2]],
+                              shared_name="capsnet_stop_requests", name="stop_requests")
+
+
+def _stop_ops(info, optimizer):
+  others = cluster_spec.num_workers(info) - 1
+  requests = _stop_requests(info)
+  with tf.compat.v1.device("/job:ps/task:0"), tf.name_scope("stop"):
+    halts = tf.queue.FIFOQueue(max(others, 1), tf.int64, shapes=[[2]],
+                               shared_name="capsnet_halts", name="halts")
+    request = tf.compat.v1.placeholder(tf.int32, [2], name="request")
+    halt = tf.compat.v1.placeholder(tf.int64, [2], name="halt")
+    halt_others = halts.enqueue_many(tf.tile(halt[None], [others, 1]))
+  release = None
+  if isinstance(optimizer, tf.compat.v1.train.SyncReplicasOptimizer) and others:
+    release = optimizer.get_init_tokens_op(num_tokens=others)
+  return StopOps(request, requests.enqueue(request), requests.size(), requests.dequeue(),
+                 halt, halt_others, halts.size(), halts.dequeue(), release)
+
+
+def follow_the_chief(sess, coord, index, stop):
+  """A worker other than the chief (task `index`), after each step: passes
+  a stop signal (`stop`, a relaying StopRequest) on to the chief, once.
+
+  Raises: Halted once the chief has stopped the run.
+  """
+  if stop.signum and not stop.relayed:
+    sess.run(coord.stop.pass_on, {coord.stop.request: [index, stop.signum]})
+    stop.relayed = True
+  if sess.run(coord.stop.halts):
+    signum, step = sess.run(coord.stop.take_halt)
+    raise Halted(int(signum), int(step))
+
+
+def hear_passed_on_stops(sess, coord, waiting, stop):
+  """The chief, after each step (`waiting`: the size of the queue of stops
+  passed on, fetched with the step): a stop signal another task passed on
+  stops the run as if it had come here."""
+  if waiting:
+    task, signum = sess.run(coord.stop.next_request)
+    stop.passed_on(int(signum), f"worker {task}" if task >= 0 else f"ps {-1 - task}")
+
+
+def halt_workers(sess, coord, signum, step, others, wait_secs=30):
+  """The chief, stopping before the end: tells every other worker (`others`:
+  their host:port) to end, releases those waiting for the next synchronous
+  update (which is never applied: the checkpoint is saved already), and
+  waits until each has taken its word, so that none meets the ps tasks
+  gone; not longer than `wait_secs`, nor once no other worker answers."""
+  sess.run(coord.stop.halt_others, {coord.stop.halt: [signum, step]})
+  if coord.stop.release is not None:
+    sess.run(coord.stop.release)
+  deadline = time.time() + wait_secs
+  while (sess.run(coord.stop.halts) and time.time() < deadline
+         and cluster_spec.any_reachable(others)):
+    time.sleep(0.1)
 
 
 def session_config(info, proto):
@@ -158,27 +253,49 @@ def stop_chief(sess, coord, runner):
 
 
 def join_chief(runner):
+  """Waits for the queue runner's thread. An error of its (a task gone) is
+  not raised again: the chief's own step met the same and says so."""
   if runner is not None:
-    runner[0].join(runner[1], stop_grace_period_secs=5, ignore_live_threads=True)
+    try:
+      runner[0].join(runner[1], stop_grace_period_secs=5, ignore_live_threads=True)
+    except tf.errors.OpError:
+      pass
 
 
 def serve_ps(info, idle_check_secs=30):
   """A ps task: serves until the chief says the job is done, or until no
-  worker answers at two checks `idle_check_secs` apart."""
+  worker answers at two checks `idle_check_secs` apart. A stop signal is
+  passed on to the chief, which saves and then ends the job.
+
+  It looks at its "done" queue once a second, without waiting in a dequeue
+  (a dequeue cut off by a timeout can lose what it took), and the signal
+  handler runs between looks.
+
+  Returns: (why it ended, the number of the stop signal it had or None).
+  """
   server = start_server(info)
   with tf.Graph().as_default() as graph:
-    dequeue = _done_queue(info.index).dequeue()
-  proto = tf.compat.v1.ConfigProto(device_filters=[f"/job:ps/task:{info.index}"])
-  silent = 0
-  with tf.compat.v1.Session(server.target, graph=graph, config=proto) as sess:
+    done = _done_queue(info.index)
+    waiting, dequeue = done.size(), done.dequeue()
+    request = tf.compat.v1.placeholder(tf.int32, [2])
+    pass_on = _stop_requests(info).enqueue(request)
+  proto = tf.compat.v1.ConfigProto(
+      device_filters=sorted({f"/job:ps/task:{info.index}", "/job:ps/task:0"}))
+  stop, silent, looks = stopping.StopRequest(relay=True), 0, 0
+  with stop.installed(), tf.compat.v1.Session(server.target, graph=graph,
+                                              config=proto) as sess:
     while silent < 2:
-      try:
-        sess.run(dequeue, options=tf.compat.v1.RunOptions(
-            timeout_in_ms=idle_check_secs * 1000))
-        return "done"
-      except tf.errors.DeadlineExceededError:
+      if stop.signum and not stop.relayed:
+        sess.run(pass_on, {request: [-1 - info.index, stop.signum]})
+        stop.relayed = True
+      if sess.run(waiting):
+        sess.run(dequeue)
+        return "done", stop.signum
+      time.sleep(1.0)
+      looks += 1
+      if looks % idle_check_secs == 0:
         silent = 0 if cluster_spec.any_reachable(info.spec["worker"]) else silent + 1
-  return "no worker answers"
+  return "no worker answers", stop.signum
 
 
 class NullWriter:

@@ -442,7 +442,7 @@ def error_reason(error):
   frame = ("Graph execution error", "Detected at node", "File ", "Node:", "[[",
            "Hint:", "Traceback")
   lines = [l.strip() for l in message.splitlines()]
-  lines = [l for l in lines if l and not l.startswith(frame)]
+  lines = [l for l in lines if any(c.isalnum() for c in l) and not l.startswith(frame)]
   return (lines[-1] if lines else type(error).__name__)[:200]
 
 

@@ -25,13 +25,21 @@ class Quit(KeyboardInterrupt):
 class StopRequest:
   """A stop signal once: stop after this step and save, then exit with
   128 + its number. Twice: quit at once, but never in the middle of writing
-  a checkpoint (it finishes first)."""
+  a checkpoint (it finishes first).
 
-  def __init__(self):
+  relay=True (a cluster's worker other than the chief, which saves nothing):
+  a first signal is only noted (`signum`); the worker passes it on to the
+  chief and trains on until the chief stops the run, so that no synchronous
+  update waits for it. `requested` then stays False.
+  """
+
+  def __init__(self, relay=False):
     self.requested = False
     self.signum = None
     self.saving = False
     self.quit_after_save = None
+    self.relay = relay
+    self.relayed = False   # passed on to the chief (relay=True)
 
   @property
   def exit_status(self):
@@ -40,12 +48,23 @@ class StopRequest:
   def __call__(self, signum, frame):
     if self.requested and self.saving:
       self.quit_after_save = signum
-    elif self.requested:
+    elif self.requested or self.signum is not None:
       raise Quit(signum)
+    elif self.relay:
+      self.signum = signum
+      tqdm.tqdm.write(f"{signal.Signals(signum).name}: asking the chief to save and "
+                      "stop the run (Ctrl-C again to quit at once)")
     else:
       self.requested, self.signum = True, signum
       tqdm.tqdm.write(f"{signal.Signals(signum).name}: saving a checkpoint at the end "
                       "of this step (Ctrl-C again to quit without saving)")
+
+  def passed_on(self, signum, who):
+    """The chief: a stop signal that `who` passed on; as if it came here."""
+    if not self.requested:
+      self.requested, self.signum = True, signum
+      tqdm.tqdm.write(f"{signal.Signals(signum).name} to {who}: saving a checkpoint "
+                      "at the end of this step")
 
   @contextlib.contextmanager
   def deferred(self):
