@@ -15,6 +15,7 @@ from capsnet.model import network
 from conftest import QUICK, ROOT, last_line, needs_mnist, train_here
 
 
+@pytest.mark.integration
 def test_tensorflow_imported_quietly_unless_asked_and_without_keras(tmp_path):
   env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
   args = [sys.executable, os.path.join(ROOT, "eval.py"), f"--checkpoint={tmp_path}/x"]

@@ -68,6 +68,7 @@ def test_cli_rejects_unknown_precision():
   assert "--precision: 'fp16' is not fp32 or bf16" in proc.stderr
 
 
+@pytest.mark.integration
 def test_cli_small_run_writes_json(tmp_path):
   """One round, tiny batch: the report's figures and how they relate."""
   path = tmp_path / "bench.json"
@@ -112,6 +113,7 @@ def test_summary_takes_medians_over_rounds():
   assert summary["ratios"] == {"train_fp32_ours_over_tiled": 2.1}
 
 
+@pytest.mark.integration
 def test_cli_profile_books_the_step_by_layer(tmp_path):
   path = tmp_path / "profile.json"
   proc = _bench("--profile", "--precision=fp32", "--batch_size=4", "--warmup=1",

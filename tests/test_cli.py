@@ -4,11 +4,13 @@ import os
 import signal
 import subprocess
 
+import pytest
 import tensorflow as tf
 
 from conftest import SMALL, cli, eval_here, needs_mnist, start, wait_until
 
 
+@pytest.mark.integration
 def test_train_flag_error_is_one_line_and_writes_nothing(tmp_path):
   proc = cli("train.py", "--decoder_units=512,x", f"--logdir={tmp_path}/a")
   assert proc.returncode == 1
@@ -18,6 +20,7 @@ def test_train_flag_error_is_one_line_and_writes_nothing(tmp_path):
   assert not os.path.exists(f"{tmp_path}/a")
 
 
+@pytest.mark.integration
 @needs_mnist
 def test_sigint_saves_a_loadable_checkpoint(tmp_path):
   logdir = str(tmp_path / "sigint")

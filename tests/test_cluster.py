@@ -46,6 +46,7 @@ def sync_run(tmp_path_factory):
   return logdir, proc
 
 
+@pytest.mark.integration
 @needs_mnist
 def test_two_synchronous_workers_average_as_one_process_with_twice_the_batch(
     sync_run, tmp_path):
@@ -68,6 +69,7 @@ def test_two_synchronous_workers_average_as_one_process_with_twice_the_batch(
   assert re.match(r"cluster: 1 ps, 2 worker\(s\) on 127\.0\.0\.1 ports", proc.stdout)
 
 
+@pytest.mark.integration
 @needs_mnist
 def test_chief_checkpoint_is_evaluated_by_eval(sync_run, tmp_path):
   logdir, _ = sync_run
@@ -81,6 +83,7 @@ def test_chief_checkpoint_is_evaluated_by_eval(sync_run, tmp_path):
   assert test["count"] == 10000
 
 
+@pytest.mark.integration
 @needs_mnist
 def test_asynchronous_workers_train_and_every_process_ends(tmp_path):
   logdir = str(tmp_path / "async")
@@ -110,6 +113,7 @@ def test_bad_cluster_description_is_one_line(args, message):
   assert proc.stderr.strip().splitlines() == [f"train.py: error: {message}"]
 
 
+@pytest.mark.integration
 @needs_mnist
 def test_unreachable_ps_is_one_line_within_the_wait():
   ps, worker = cluster.free_ports(2)
@@ -160,6 +164,7 @@ def _cluster_stopped_by(sig, target, logdir):
         p.kill()
 
 
+@pytest.mark.integration
 @needs_mnist
 @pytest.mark.parametrize("target", [("worker", 0), ("worker", 1), ("ps", 0)])
 def test_sigterm_to_any_task_saves_and_every_task_ends(target, tmp_path):
@@ -179,6 +184,7 @@ def test_sigterm_to_any_task_saves_and_every_task_ends(target, tmp_path):
   assert "train.py: ps task 0 ends: done" in ended[("ps", 0)][1]
 
 
+@pytest.mark.integration
 @needs_mnist
 def test_sigterm_to_the_launcher_saves_and_every_task_ends(tmp_path):
   logdir = str(tmp_path / "run")

@@ -48,6 +48,7 @@ def test_second_ctrl_c_waits_for_the_checkpoint_being_written():
     stop(signal.SIGINT, None)            # outside a save: at once
 
 
+@pytest.mark.integration
 @needs_mnist
 def test_ctrl_c_twice_no_traceback_and_listed_checkpoints_load(tmp_path):
   logdir = str(tmp_path / "run")
@@ -65,6 +66,7 @@ def test_ctrl_c_twice_no_traceback_and_listed_checkpoints_load(tmp_path):
     assert runs.damage(prefix) is None, prefix
 
 
+@pytest.mark.integration
 @needs_mnist
 def test_sigkill_at_random_moments_changes_nothing(tmp_path):
   """A run killed (SIGKILL) several times, once while writing a checkpoint,

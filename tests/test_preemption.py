@@ -7,6 +7,7 @@ import re
 import signal
 import subprocess
 
+import pytest
 import tensorflow as tf
 
 from capsnet.running import runs
@@ -26,6 +27,7 @@ def _stop_with(sig, logdir, args, after_step):
   return proc.returncode, out, err
 
 
+@pytest.mark.integration
 @needs_mnist
 def test_sigterm_and_sighup_save_and_the_resume_is_bit_identical(tmp_path):
   args = [*QUICK, "--epochs=3", "--save_every=1", "--summary_every=1000"]
@@ -51,6 +53,7 @@ def test_sigterm_and_sighup_save_and_the_resume_is_bit_identical(tmp_path):
   assert strip(rows(logdir)) == strip(rows(reference))
 
 
+@pytest.mark.integration
 @needs_mnist
 def test_one_trainer_a_run_folder(tmp_path):
   logdir = str(tmp_path / "run")

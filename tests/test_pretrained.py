@@ -19,6 +19,7 @@ TEST_ERRORS = 38   # `python eval.py --checkpoint pretrained/r3_recon` (README)
 @needs_mnist
 @pytest.mark.skipif(not os.path.exists(os.path.join(PRETRAINED, "config.json")),
                     reason="no shipped weights")
+@pytest.mark.integration
 def test_shipped_weights_make_the_readme_number_of_test_errors():
   ckpt, run = runs.resolve(PRETRAINED, "best")
   assert runs.damage(ckpt) is None

@@ -136,6 +136,7 @@ def test_table1_grid_commands_and_schedules(tmp_path):
       set(study.SMALL_FILES) - {"routing.json"})   # a fake run has no routing.json
 
 
+@pytest.mark.integration
 @needs_mnist
 def test_study_cli_runs_then_skips(tmp_path):
   out = str(tmp_path / "study")
@@ -176,6 +177,7 @@ def test_study_cli_runs_then_skips(tmp_path):
   assert "r2_nostop_seed0: complete, skipped" in proc.stdout
 
 
+@pytest.mark.integration
 def test_study_flag_errors(tmp_path):
   def last_error(*flags):
     proc = subprocess.run([sys.executable, "-m", "capsnet.study", *flags,

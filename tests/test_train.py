@@ -167,6 +167,7 @@ def test_nan_loss_stops_without_touching_checkpoints(run_dir, tmp_path):
   assert after == before
 
 
+@pytest.mark.integration
 @needs_mnist
 def test_eval_cli_scores_every_image_and_writes_files(run_dir, tmp_path):
   logdir, _ = run_dir

@@ -148,6 +148,7 @@ def test_routing_picture_draws_the_models_coefficients(small_run, mnist_test_spl
     assert figure.shape == (28 * 6 + 16, 3 * 28 * 6 + 2 * 8, 3)
 
 
+@pytest.mark.integration
 @needs_mnist
 def test_savedmodel_loads_without_project_code(small_run, mnist_test_split, tmp_path):
   images, _ = mnist_test_split
