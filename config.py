@@ -10,10 +10,10 @@ import os
 from absl import flags
 import tensorflow as tf
 
-from capsnet.running import cluster_spec
-from capsnet.model import network
 from capsnet.data import multimnist
 from capsnet.data import tasks
+from capsnet.model import network
+from capsnet.running import cluster_spec
 
 DATASETS = sorted(tasks.TASKS)
 

@@ -27,13 +27,13 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import config  # noqa: E402
+from capsnet.data import tasks  # noqa: E402
+from capsnet.model import network  # noqa: E402
 from capsnet.running import evaluation  # noqa: E402
 from capsnet.running import files  # noqa: E402
-from capsnet.model import network  # noqa: E402
-from capsnet.using import pictures  # noqa: E402
 from capsnet.running import runs  # noqa: E402
+from capsnet.using import pictures  # noqa: E402
 from capsnet.using import serving  # noqa: E402
-from capsnet.data import tasks  # noqa: E402
 
 
 PERTURBATIONS = np.round(np.arange(-0.25, 0.2501, 0.05), 2)   # 11 values

@@ -32,12 +32,12 @@ import tensorflow as tf  # noqa: E402
 import tqdm  # noqa: E402
 
 import config  # noqa: E402
+from capsnet.data import mnist  # noqa: E402
+from capsnet.model import network  # noqa: E402
 from capsnet.running import averaging  # noqa: E402
 from capsnet.running import cluster_spec  # noqa: E402
 from capsnet.running import distributed  # noqa: E402
 from capsnet.running import evaluation  # noqa: E402
-from capsnet.data import mnist  # noqa: E402
-from capsnet.model import network  # noqa: E402
 from capsnet.running import run_state  # noqa: E402
 from capsnet.running import runs  # noqa: E402
 from capsnet.running import stopping  # noqa: E402

@@ -42,10 +42,10 @@ import sys
 from absl import app
 from absl import flags
 
+from capsnet.data import tasks
 from capsnet.running import files
 from capsnet.running import runs
 from capsnet.using import stats
-from capsnet.data import tasks
 
 # train.py's learning-rate decay period; runs with another one get a tag.
 DEFAULT_DECAY_STEPS = 2000

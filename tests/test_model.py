@@ -3,10 +3,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from capsnet.running import evaluation
 from capsnet.model import layers
 from capsnet.model import losses
 from capsnet.model import network
+from capsnet.running import evaluation
 
 
 def _count_params(cfg):

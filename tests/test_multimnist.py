@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from capsnet.data import multimnist
 from capsnet.model import losses
 from capsnet.model import network
-from capsnet.data import multimnist
 from conftest import SMALL, eval_here, needs_mnist, train_here
 
 

@@ -7,8 +7,8 @@ import os
 import pytest
 import tensorflow as tf
 
-from capsnet.running import evaluation
 from capsnet.data import mnist
+from capsnet.running import evaluation
 from capsnet.running import runs
 from conftest import MNIST, ROOT, needs_mnist
 

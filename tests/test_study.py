@@ -7,8 +7,8 @@ import sys
 import numpy as np
 import pytest
 
-from capsnet.using import stats
 from capsnet import study
+from capsnet.using import stats
 from conftest import ROOT, SMALL, needs_mnist
 
 

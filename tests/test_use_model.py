@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from capsnet.running import evaluation
 from capsnet.data import mnist
-from capsnet.using import pictures
+from capsnet.running import evaluation
 from capsnet.running import runs
+from capsnet.using import pictures
 from capsnet.using import serving
 from conftest import MNIST, ROOT, SMALL, eval_here, last_line, needs_mnist, train_here
 

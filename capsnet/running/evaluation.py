@@ -8,9 +8,9 @@ import collections
 import numpy as np
 import tensorflow as tf
 
+from capsnet.data import multimnist
 from capsnet.data import tasks
 from capsnet.model import network
-from capsnet.data import multimnist
 
 EvalGraph = collections.namedtuple(
     "EvalGraph", ["images", "labels", "iterator", "outputs", "batch_images", "targets",
