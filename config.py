@@ -14,6 +14,7 @@ from capsnet.data import multimnist
 from capsnet.data import tasks
 from capsnet.model import network
 from capsnet.running import cluster_spec
+from capsnet.running import runs
 
 DATASETS = sorted(tasks.TASKS)
 
@@ -153,7 +154,9 @@ def define_cluster_flags():
                     "worker aggregated per step; effective batch = workers x "
                     "--batch_size); false: asynchronous")
   flags.DEFINE_integer("cluster_wait_secs", 60, "cluster: how long to wait for "
-                       "the ps tasks and for the chief", lower_bound=1)
+                       "the ps tasks and for the chief, and how long another "
+                       "worker may not answer in synchronous training before "
+                       "the run ends", lower_bound=1)
 
 
 def cluster_from_flags(values):
@@ -222,6 +225,14 @@ def session_config(devices, log_device_placement=False):
 # --------------------------------------------------------------------------
 # The trainer's settings
 
+# What may differ between a run and its resumption: model fields that change
+# how the same computation is carried out, not what is computed, and the
+# length of the run. Every other model field and recorded setting must match.
+MAY_CHANGE_ON_RESUME = ("precision", "conv_impl", "epochs")
+# Recorded settings added since some runs started: what a config.json without
+# them means (weight averaging stays off for a run that started without it).
+SETTING_DEFAULTS = {"ema_decay": 0.0}
+
 # Trainer settings written to config.json ("train").
 RECORDED_SETTINGS = ("dataset", "val_size", "train_size", "batch_size",
                      "learning_rate", "decay_steps", "decay_rate", "seed", "epochs",
@@ -264,6 +275,29 @@ class Settings:
   def recorded(self):
     """The part of the settings that config.json keeps."""
     return {k: getattr(self, k) for k in RECORDED_SETTINGS}
+
+  def check_logdir(self, cfg, logdir=None):
+    """Refuses a logdir (--logdir unless given) that is a file, cannot be
+    written, has checkpoints but no config.json (unless --adopt_checkpoints),
+    or whose config.json disagrees with `cfg` or these settings (but for
+    MAY_CHANGE_ON_RESUME). Writes nothing.
+
+    Raises: ValueError naming the path, or the file and the first differing
+    field.
+    """
+    folder = runs.RunFolder(logdir or self.logdir)
+    folder.check_writable()
+    self.check_resume(folder, cfg)
+
+  def check_resume(self, folder, cfg):
+    """`check_logdir` but for the writable check (a locked folder is writable)."""
+    folder.check_resume(dataclasses.asdict(cfg), self.recorded(),
+                        may_change=MAY_CHANGE_ON_RESUME,
+                        setting_defaults=SETTING_DEFAULTS, adopt=self.adopt_checkpoints)
+
+  def write_config(self, cfg):
+    """config.json: the model config and the recorded settings."""
+    runs.RunFolder(self.logdir).write_config(dataclasses.asdict(cfg), self.recorded())
 
   def task(self):
     """The data set's task (`tasks`)."""

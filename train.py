@@ -45,46 +45,8 @@ from capsnet.running import stopping  # noqa: E402
 config.define_train_flags()
 FLAGS = flags.FLAGS
 
-# What may differ between a run and its resumption: model fields that change
-# how the same computation is carried out, not what is computed, and the
-# length of the run. Every other model field and recorded setting must match.
-MAY_CHANGE_ON_RESUME = ("precision", "conv_impl", "epochs")
-# Recorded settings added since some runs started: what a config.json without
-# them means (weight averaging stays off for a run that started without it).
-SETTING_DEFAULTS = {"ema_decay": 0.0}
-
-
 class TrainingError(Exception):
   """Training cannot go on (non-finite loss)."""
-
-
-# --------------------------------------------------------------------------
-# Settings
-
-def check_logdir(logdir, cfg, s):
-  """Refuses a logdir that is a file, cannot be written, has checkpoints but
-  no config.json (unless --adopt_checkpoints), or whose config.json
-  disagrees with `cfg` or the settings (but for MAY_CHANGE_ON_RESUME).
-  Writes nothing.
-
-  Raises: ValueError naming the path, or the file and the first differing
-  field.
-  """
-  folder = runs.RunFolder(logdir)
-  folder.check_writable()
-  check_resume(folder, cfg, s)
-
-
-def check_resume(folder, cfg, s):
-  """`check_logdir` but for the writable check (a locked folder is writable)."""
-  folder.check_resume(dataclasses.asdict(cfg), s.recorded(),
-                      may_change=MAY_CHANGE_ON_RESUME,
-                      setting_defaults=SETTING_DEFAULTS, adopt=s.adopt_checkpoints)
-
-
-def write_config(logdir, cfg, s):
-  """config.json: the model config and the recorded settings."""
-  runs.RunFolder(logdir).write_config(dataclasses.asdict(cfg), s.recorded())
 
 
 # --------------------------------------------------------------------------
@@ -158,7 +120,7 @@ def build_graph(cfg, s, devices, fixed_batch):
 
 # What one call of `train` works with.
 Run = collections.namedtuple("Run", ["sess", "g", "s", "folder", "splits", "writer",
-                                     "stop", "chief"])
+                                     "stop", "chief", "watch"])
 
 
 def main(argv):
@@ -183,7 +145,7 @@ def main(argv):
       folder = runs.RunFolder(s.logdir)
       folder.check_writable()
       run_lock = folder.lock()   # before reading anything there
-      check_resume(folder, cfg, s)
+      s.check_resume(folder, cfg)
     splits = s.load_splits(cfg)
   except ValueError as e:   # DataError and RunError are ValueErrors
     if run_lock:   # a run that does not start leaves nothing
@@ -243,14 +205,10 @@ def train(cfg, s, devices, splits):
       if s.cluster and chief:
         runner = distributed.start_chief(sess, g.cluster)
       writer = start_writing(g, s, cfg, pos, resumed) if chief else distributed.NullWriter()
-      with contextlib.closing(writer):   # on every way out (files closed)
-        run = Run(sess, g, s, folder, splits, writer, stop, chief)
-        try:
-          train_epochs(run, pos)
-        except distributed.Halted as e:   # a worker other than the chief
-          print(f"train.py: worker {s.cluster.index} ends: the chief stopped the run "
-                f"at step {e.step} ({signal.Signals(e.signum).name})")
-          sys.exit(128 + (stop.signum or e.signum))
+      with contextlib.closing(writer), distributed.watching(  # files closed on every way out
+          sess, g.cluster, s.cluster, s.sync, s.cluster_wait_secs) as watch:
+        run = Run(sess, g, s, folder, splits, writer, stop, chief, watch)
+        train_together(run, pos)
         writer.flush()
         if stop.requested:
           stop_early(run, runner, pos)
@@ -260,6 +218,23 @@ def train(cfg, s, devices, splits):
         distributed.stop_chief(sess, g.cluster, runner)
   finally:
     distributed.join_chief(runner)
+
+
+def train_together(run, pos):
+  """`train_epochs`, and on a cluster the ways the tasks end together: a
+  worker other than the chief ends when the chief has stopped or ended the
+  run; the chief, ending on an error, ends the others first."""
+  try:
+    train_epochs(run, pos)
+  except distributed.Halted as e:   # a worker other than the chief
+    how = (f"stopped the run at step {e.step} ({signal.Signals(e.signum).name})"
+           if e.signum else f"ended the run at step {e.step} on an error (see its output)")
+    print(f"train.py: worker {run.s.cluster.index} ends: the chief {how}")
+    sys.exit(128 + (run.stop.signum or e.signum) if e.signum else 1)
+  except Exception:
+    if run.s.cluster and run.chief:
+      distributed.end_the_others(run.sess, run.g.cluster, run.s.cluster, pos.step)
+    raise
 
 
 def stop_early(run, runner, pos):
@@ -285,7 +260,7 @@ def open_session(g, s, devices, server):
 
 def start_writing(g, s, cfg, pos, resumed):
   """config.json and the events file (the chief's)."""
-  write_config(s.logdir, cfg, s)
+  s.write_config(cfg)
   writer = tf.compat.v1.summary.FileWriter(s.logdir, None if resumed else g.graph)
   if resumed:   # TensorBoard drops what the first attempt logged after pos.step
     writer.add_session_log(tf.compat.v1.SessionLog(
@@ -391,6 +366,10 @@ def train_step(run, pos, stats):
   res = run_step(run, pos, fetch)
   if res is None:
     return False
+  if run.watch and run.watch.lost:
+    raise cluster_spec.ClusterError(
+        f"{run.watch.lost} stopped answering: step {pos.step + 1} was not applied; "
+        f"the last checkpoint is {run.folder.latest_checkpoint('latest')}")
   loss, accuracy = res["loss"], res["accuracy"]
   pos.step += 1   # global_step read in the same run may predate the update
   if not np.isfinite(loss):

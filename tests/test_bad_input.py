@@ -10,7 +10,6 @@ import sys
 import pytest
 
 import config
-import train
 from capsnet.model import network
 from conftest import QUICK, ROOT, last_line, needs_mnist, train_here
 
@@ -58,17 +57,16 @@ def _settings(**changes):
 def test_other_training_settings_refused_on_resume(tmp_path, field, value):
   cfg = network.ModelConfig(**TINY_MODEL)
   s = _settings(logdir=str(tmp_path))
-  train.write_config(str(tmp_path), cfg, s)
+  s.write_config(cfg)
   before = (tmp_path / "config.json").read_text()
   with pytest.raises(ValueError, match=re.escape(
       f"{tmp_path}/config.json has {field}={getattr(s, field)!r}, the flags give "
       f"{value!r}: use another --logdir or the same value")):
-    train.check_logdir(str(tmp_path), cfg, dataclasses.replace(s, **{field: value}))
+    dataclasses.replace(s, **{field: value}).check_logdir(cfg)
   assert (tmp_path / "config.json").read_text() == before
   # --epochs and --max_steps may change, and so may precision and conv_impl.
-  train.check_logdir(str(tmp_path), dataclasses.replace(cfg, precision="bf16",
-                                                        conv_impl="conv2d"),
-                     dataclasses.replace(s, epochs=5, max_steps=7))
+  dataclasses.replace(s, epochs=5, max_steps=7).check_logdir(
+      dataclasses.replace(cfg, precision="bf16", conv_impl="conv2d"))
 
 
 TINY_MODEL = dict(conv1_channels=16, primary_types=4, primary_dim=4, digit_dim=8,
@@ -79,10 +77,10 @@ def test_logdir_that_is_a_file_or_under_a_file(tmp_path):
   cfg, path = network.ModelConfig(), tmp_path / "file"
   path.write_text("x")
   with pytest.raises(ValueError, match=f"--logdir={path}: is a file, expected a folder"):
-    train.check_logdir(str(path), cfg, _settings())
+    _settings().check_logdir(cfg, str(path))
   with pytest.raises(ValueError, match=f"--logdir={path}/run: {path} is a file, "
                      "expected a folder"):
-    train.check_logdir(str(path / "run"), cfg, _settings())
+    _settings().check_logdir(cfg, str(path / "run"))
 
 
 def test_logdir_in_a_read_only_folder(small_disk):
@@ -90,7 +88,7 @@ def test_logdir_in_a_read_only_folder(small_disk):
   remount("ro")
   with pytest.raises(ValueError, match=re.escape(
       f"--logdir={folder}/run: cannot write in {folder} (Read-only file system)")):
-    train.check_logdir(str(folder / "run"), network.ModelConfig(), _settings())
+    _settings().check_logdir(network.ModelConfig(), str(folder / "run"))
 
 
 @needs_mnist

@@ -143,20 +143,22 @@ def test_tf_config_and_launcher_commands():
       "--job_name=worker", "--task_index=1"]
 
 
-def _cluster_stopped_by(sig, target, logdir):
+def _cluster_stopped_by(sig, target, logdir, *extra):
   """1 ps + 2 synchronous workers started as separate processes (no
   launcher); `sig` goes to `target` ((job, index)) once the chief has saved
-  step 3. Returns {(job, index): (status, output)} once all have ended."""
+  step 3 (None: no signal). Returns {(job, index): (status, output)} once
+  all have ended."""
   cmds = cluster.commands(1, 2, [*ARGS, "--batch_size=16", "--epochs=100",
                                  "--save_every=3", "--summary_every=1000",
-                                 f"--logdir={logdir}"], cluster.free_ports(3))
+                                 f"--logdir={logdir}", *extra], cluster.free_ports(3))
   env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=ROOT)
   procs = {k: subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True, env=env, cwd=ROOT) for k, c in cmds.items()}
   try:
     chief = procs[("worker", 0)]
-    assert wait_until(lambda: latest_step(logdir) >= 3, proc=chief, timeout=180)
-    procs[target].send_signal(sig)
+    if sig is not None:
+      assert wait_until(lambda: latest_step(logdir) >= 3, proc=chief, timeout=180)
+      procs[target].send_signal(sig)
     return {k: (p.wait(timeout=90), p.stdout.read()) for k, p in procs.items()}
   finally:
     for p in procs.values():
@@ -206,3 +208,33 @@ def test_sigterm_to_the_launcher_saves_and_every_task_ends(tmp_path):
   logs = out.split("logs of the others in ")[1].split()[0]
   assert "the chief stopped the run" in open(os.path.join(logs, "worker_1.log")).read()
   assert "ps task 0 ends: done" in open(os.path.join(logs, "ps_0.log")).read()
+
+
+@needs_mnist
+@pytest.mark.integration
+def test_a_worker_killed_without_a_word_ends_the_run_in_one_line(tmp_path):
+  logdir = str(tmp_path / "run")
+  ended = _cluster_stopped_by(signal.SIGKILL, ("worker", 1), logdir,
+                              "--cluster_wait_secs=3")
+  assert [ended[k][0] for k in sorted(ended)] == [0, 1, -9], ended
+  chief_lines = ended[("worker", 0)][1].strip().splitlines()
+  assert re.fullmatch(r"train\.py: error: worker 1 at 127\.0\.0\.1:\d+ stopped answering: "
+                      rf"step \d+ was not applied; the last checkpoint is {logdir}/latest/"
+                      r"model\.ckpt-\d+", chief_lines[-1]), chief_lines[-3:]
+  assert "Traceback" not in ended[("worker", 0)][1]
+  assert "train.py: ps task 0 ends: done" in ended[("ps", 0)][1]
+
+
+@needs_mnist
+@pytest.mark.integration
+def test_the_chief_ending_on_an_error_ends_every_task(tmp_path):
+  ended = _cluster_stopped_by(None, None, str(tmp_path / "run"), "--learning_rate=1e12")
+  assert [ended[k][0] for k in sorted(ended)] == [0, 1, 1], ended
+  chief_last = ended[("worker", 0)][1].strip().splitlines()[-1]
+  step = re.fullmatch(r"train\.py: error: loss is (?:nan|inf) at step (\d+); stopped "
+                      r"without saving, the last good checkpoint is None", chief_last)
+  assert step, chief_last
+  # Worker 1 meets the same loss in the same step, and says so itself.
+  assert ended[("worker", 1)][1].strip().splitlines()[-1] == chief_last
+  # The chief ends the ps task (else it would wait for its idle checks).
+  assert "train.py: ps task 0 ends: done" in ended[("ps", 0)][1]

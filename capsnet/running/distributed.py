@@ -24,6 +24,7 @@ ps tasks. Every process then exits with 128 + the signal's number.
 """
 import collections
 import contextlib
+import threading
 import time
 
 import tensorflow as tf
@@ -51,7 +52,8 @@ StopOps = collections.namedtuple("StopOps", [
 
 class Halted(Exception):
   """A worker other than the chief: the chief stopped the run (with its
-  checkpoint of `step`) on a stop signal `signum`."""
+  checkpoint of `step`) on a stop signal `signum`, or (`signum` 0) ended it
+  on an error."""
 
   def __init__(self, signum, step):
     super().__init__(signum, step)
@@ -171,13 +173,74 @@ def halt_workers(sess, coord, signum, step, others, wait_secs=30):
   update (which is never applied: the checkpoint is saved already), and
   waits until each has taken its word, so that none meets the ps tasks
   gone; not longer than `wait_secs`, nor once no other worker answers."""
-  sess.run(coord.stop.halt_others, {coord.stop.halt: [signum, step]})
+  bounded = tf.compat.v1.RunOptions(timeout_in_ms=10000)   # a ps task may be gone
+  sess.run(coord.stop.halt_others, {coord.stop.halt: [signum, step]}, options=bounded)
   if coord.stop.release is not None:
-    sess.run(coord.stop.release)
+    sess.run(coord.stop.release, options=bounded)
   deadline = time.time() + wait_secs
-  while (sess.run(coord.stop.halts) and time.time() < deadline
+  while (sess.run(coord.stop.halts, options=bounded) and time.time() < deadline
          and cluster_spec.any_reachable(others)):
     time.sleep(0.1)
+
+
+def end_the_others(sess, coord, info, step):
+  """The chief, ending on an error: the other workers (halt word 0) and the
+  ps tasks end too, as far as they can still be reached."""
+  try:
+    halt_workers(sess, coord, 0, step, info.spec["worker"][1:], wait_secs=10)
+  except tf.errors.OpError:
+    pass
+  stop_chief(sess, coord, None)
+
+
+class Watch:
+  """A synchronous worker's eye on the other workers. An update waits for
+  every worker, so one that died without a word (SIGKILL, a crash, a lost
+  machine) would leave the others waiting for ever. A worker whose port has
+  not answered for `grace_secs` is taken as lost: `lost` names it, and the
+  steps waiting for it are released (they end without being applied)."""
+
+  def __init__(self, sess, coord, info, interval_secs=1.0, grace_secs=10.0):
+    self.lost = None
+    others = [(i, h) for i, h in enumerate(info.spec["worker"]) if i != info.index]
+    self._done = threading.Event()
+    self._thread = threading.Thread(target=self._watch, daemon=True, args=(
+        sess, coord, others, interval_secs, grace_secs))
+    self._thread.start()
+
+  def _watch(self, sess, coord, others, interval_secs, grace_secs):
+    silent_since = {}
+    while not self._done.wait(interval_secs):
+      now = time.time()
+      for index, host in others:
+        if cluster_spec.any_reachable([host]):
+          silent_since.pop(index, None)
+        elif now - silent_since.setdefault(index, now) >= grace_secs:
+          self.lost = f"worker {index} at {host}"
+          try:
+            sess.run(coord.stop.release,
+                     options=tf.compat.v1.RunOptions(timeout_in_ms=10000))
+          except tf.errors.OpError:
+            pass
+          return
+
+  def close(self):
+    self._done.set()
+    self._thread.join()
+
+
+@contextlib.contextmanager
+def watching(sess, coord, info, sync, grace_secs):
+  """A `Watch` over the other workers while inside (None where no update
+  waits for another worker: one process, or asynchronous updates)."""
+  if coord is None or coord.stop.release is None or not sync:
+    yield None
+    return
+  watch = Watch(sess, coord, info, grace_secs=grace_secs)
+  try:
+    yield watch
+  finally:
+    watch.close()
 
 
 def session_config(info, proto):
