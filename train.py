@@ -206,7 +206,7 @@ def train(cfg, s, devices, splits):
         runner = distributed.start_chief(sess, g.cluster)
       writer = start_writing(g, s, cfg, pos, resumed) if chief else distributed.NullWriter()
       with contextlib.closing(writer), distributed.watching(  # files closed on every way out
-          sess, g.cluster, s.cluster, s.sync, s.cluster_wait_secs) as watch:
+          sess, g.cluster, s.cluster, s.cluster_wait_secs) as watch:
         run = Run(sess, g, s, folder, splits, writer, stop, chief, watch)
         train_together(run, pos)
         writer.flush()
@@ -241,8 +241,8 @@ def stop_early(run, runner, pos):
   """After a stop signal, with the checkpoint saved: on a cluster the chief
   ends the other tasks first. Exits with 128 + the signal's number."""
   if run.s.cluster:
-    distributed.halt_workers(run.sess, run.g.cluster, run.stop.signum, pos.step,
-                             run.s.cluster.spec["worker"][1:])
+    distributed.halt_workers(run.sess, run.g.cluster, run.s.cluster, run.stop.signum,
+                             pos.step)
     distributed.stop_chief(run.sess, run.g.cluster, runner)
   print(f"Saved {run.folder.latest_checkpoint('latest')}; run again with "
         f"--logdir={run.s.logdir} to resume")
@@ -361,7 +361,7 @@ def train_step(run, pos, stats):
   want_summary = (pos.step + 1) % s.summary_every == 0
   if want_summary:
     fetch["summary"] = g.summary
-  if g.cluster:   # the chief reads the stops passed on to it
+  if g.cluster and run.chief:   # the chief reads the stops passed on to it
     fetch["stops_waiting"] = g.cluster.stop.requests
   res = run_step(run, pos, fetch)
   if res is None:

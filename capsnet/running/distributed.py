@@ -14,13 +14,14 @@ What a process does, by role:
   the model to be ready, checking every half second (the default, 30 s, is
   TensorFlow's `recovery_wait_secs`).
 
-A stop signal (Ctrl-C, SIGTERM, SIGHUP) to any worker stops the whole run
-with a checkpoint: a worker other than the chief passes it on through a
-queue on ps task 0 and trains on (a synchronous update needs every worker);
-the chief, which reads that queue with every step, stops as if the signal
-had come to it: it saves, puts a word in the "halt" queue for each other
-worker, releases those waiting for the next synchronous update, and ends the
-ps tasks. Every process then exits with 128 + the signal's number.
+A stop signal (Ctrl-C, SIGTERM, SIGHUP) to any task stops the whole run
+with a checkpoint: a worker other than the chief, or a ps task, passes it on
+through a queue on ps task 0 and trains or serves on (a synchronous update
+needs every worker); the chief, which reads that queue with every step,
+stops as if the signal had come to it: it saves, puts a word in the "halt"
+queue for each other worker, releases those waiting for the next
+synchronous update, and ends the ps tasks. Every worker, and every task that
+had the signal, then exits with 128 + the signal's number.
 """
 import collections
 import contextlib
@@ -48,6 +49,11 @@ StopOps = collections.namedtuple("StopOps", [
     "take_halt",       # dequeues one
     "release",         # a token for each worker waiting on a synchronous update
 ])
+
+
+def _bounded():
+  """Options for a run that must not wait for ever on a task that may be gone."""
+  return tf.compat.v1.RunOptions(timeout_in_ms=10000)
 
 
 class Halted(Exception):
@@ -144,15 +150,25 @@ def _stop_ops(info, optimizer):
                  halt, halt_others, halts.size(), halts.dequeue(), release)
 
 
+def _pass_on_once(sess, pass_on, request, task, stop):
+  """Passes the stop signal this task had (`stop`, a relaying StopRequest)
+  on to the chief, once (`task` as in `_stop_requests`)."""
+  if stop.signum and not stop.relayed:
+    sess.run(pass_on, {request: [task, stop.signum]})
+    stop.relayed = True
+
+
 def follow_the_chief(sess, coord, index, stop):
   """A worker other than the chief (task `index`), after each step: passes
-  a stop signal (`stop`, a relaying StopRequest) on to the chief, once.
+  a stop signal on to the chief, once.
+
+  The halt queue is read in a run of its own after the step, not fetched
+  with it: a fetch could read it before the chief puts the word there, and
+  the next step would then wait for a token that never comes.
 
   Raises: Halted once the chief has stopped the run.
   """
-  if stop.signum and not stop.relayed:
-    sess.run(coord.stop.pass_on, {coord.stop.request: [index, stop.signum]})
-    stop.relayed = True
+  _pass_on_once(sess, coord.stop.pass_on, coord.stop.request, index, stop)
   if sess.run(coord.stop.halts):
     signum, step = sess.run(coord.stop.take_halt)
     raise Halted(int(signum), int(step))
@@ -167,18 +183,18 @@ def hear_passed_on_stops(sess, coord, waiting, stop):
     stop.passed_on(int(signum), f"worker {task}" if task >= 0 else f"ps {-1 - task}")
 
 
-def halt_workers(sess, coord, signum, step, others, wait_secs=30):
-  """The chief, stopping before the end: tells every other worker (`others`:
-  their host:port) to end, releases those waiting for the next synchronous
-  update (which is never applied: the checkpoint is saved already), and
-  waits until each has taken its word, so that none meets the ps tasks
-  gone; not longer than `wait_secs`, nor once no other worker answers."""
-  bounded = tf.compat.v1.RunOptions(timeout_in_ms=10000)   # a ps task may be gone
-  sess.run(coord.stop.halt_others, {coord.stop.halt: [signum, step]}, options=bounded)
+def halt_workers(sess, coord, info, signum, step, wait_secs=30):
+  """The chief, stopping before the end: tells every other worker to end,
+  releases those waiting for the next synchronous update (which is never
+  applied: the checkpoint is saved already), and waits until each has taken
+  its word, so that none meets the ps tasks gone; not longer than
+  `wait_secs`, nor once no other worker answers."""
+  others = info.spec["worker"][1:]
+  sess.run(coord.stop.halt_others, {coord.stop.halt: [signum, step]}, options=_bounded())
   if coord.stop.release is not None:
-    sess.run(coord.stop.release, options=bounded)
+    sess.run(coord.stop.release, options=_bounded())
   deadline = time.time() + wait_secs
-  while (sess.run(coord.stop.halts, options=bounded) and time.time() < deadline
+  while (sess.run(coord.stop.halts, options=_bounded()) and time.time() < deadline
          and cluster_spec.any_reachable(others)):
     time.sleep(0.1)
 
@@ -187,7 +203,7 @@ def end_the_others(sess, coord, info, step):
   """The chief, ending on an error: the other workers (halt word 0) and the
   ps tasks end too, as far as they can still be reached."""
   try:
-    halt_workers(sess, coord, 0, step, info.spec["worker"][1:], wait_secs=10)
+    halt_workers(sess, coord, info, 0, step, wait_secs=10)
   except tf.errors.OpError:
     pass
   stop_chief(sess, coord, None)
@@ -218,8 +234,7 @@ class Watch:
         elif now - silent_since.setdefault(index, now) >= grace_secs:
           self.lost = f"worker {index} at {host}"
           try:
-            sess.run(coord.stop.release,
-                     options=tf.compat.v1.RunOptions(timeout_in_ms=10000))
+            sess.run(coord.stop.release, options=_bounded())
           except tf.errors.OpError:
             pass
           return
@@ -230,10 +245,11 @@ class Watch:
 
 
 @contextlib.contextmanager
-def watching(sess, coord, info, sync, grace_secs):
+def watching(sess, coord, info, grace_secs):
   """A `Watch` over the other workers while inside (None where no update
-  waits for another worker: one process, or asynchronous updates)."""
-  if coord is None or coord.stop.release is None or not sync:
+  waits for another worker: one process, or asynchronous updates, which
+  build no `release`)."""
+  if coord is None or coord.stop.release is None:
     yield None
     return
   watch = Watch(sess, coord, info, grace_secs=grace_secs)
@@ -308,7 +324,7 @@ def stop_chief(sess, coord, runner):
   """Tells every ps task the job is done, then stops the queue runner
   (closing the session cancels what its thread waits for)."""
   try:
-    sess.run(coord.done_signal, options=tf.compat.v1.RunOptions(timeout_in_ms=10000))
+    sess.run(coord.done_signal, options=_bounded())
   except tf.errors.OpError:
     pass   # a ps task already gone
   if runner is not None:
@@ -348,9 +364,7 @@ def serve_ps(info, idle_check_secs=30):
   with stop.installed(), tf.compat.v1.Session(server.target, graph=graph,
                                               config=proto) as sess:
     while silent < 2:
-      if stop.signum and not stop.relayed:
-        sess.run(pass_on, {request: [-1 - info.index, stop.signum]})
-        stop.relayed = True
+      _pass_on_once(sess, pass_on, request, -1 - info.index, stop)
       if sess.run(waiting):
         sess.run(dequeue)
         return "done", stop.signum
