@@ -44,6 +44,7 @@ from absl import flags
 
 from capsnet.data import tasks
 from capsnet.running import files
+from capsnet.running import host
 from capsnet.running import runs
 from capsnet.using import stats
 
@@ -74,6 +75,13 @@ GRIDS = {   # grid: {variant: the train.py flags that make it}
         "r3_recon_official": dict(iter_routing=3, stop_gradient=True, use_decoder=True,
                                   recon_weight=0.01, capsule_layers="official",
                                   ema_decay=EMA_DECAY),
+    },
+    # The short protocol (docs/short.md): the stop_gradient question in runs
+    # that fit a sitting, 5 epochs with --decay_steps=14, blocks of seeds.
+    "short": {
+        "r1_recon": dict(iter_routing=1, stop_gradient=True, use_decoder=True),
+        "r3_recon": dict(iter_routing=3, stop_gradient=True, use_decoder=True),
+        "r3_recon_nostop": dict(iter_routing=3, stop_gradient=False, use_decoder=True),
     },
     "multimnist": {   # Section 6: an epoch is 55,000 pairs drawn on the fly
         "r3_recon": dict(iter_routing=3, stop_gradient=True, use_decoder=True,
@@ -533,6 +541,7 @@ MULTIMNIST_PAPER = (5.2, "paper: 5.2% test error after 60M pairs")
 
 TITLES = {"stop_gradient": "CapsNet on MNIST: routing variants",
           "table1": "CapsNet on MNIST: the rows of Table 1",
+          "short": "CapsNet on MNIST: the short protocol (5 epochs)",
           "multimnist": "CapsNet on MultiMNIST (both digits right)"}
 
 
@@ -568,12 +577,25 @@ def run_one(spec, seed, folder, settings, extra):
   """Trains (or resumes) one run, its output in <folder>.log; exits on failure."""
   print(f"{os.path.basename(folder)}: training in {folder}", flush=True)
   os.makedirs(folder, exist_ok=True)
+  runs.RunFolder(folder).record_host(dict(host.describe(), commit=_commit()))
   with open(folder + ".log", "a") as log:
     rc = subprocess.call(train_command(spec, seed, folder, settings, extra),
                          stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
   if rc:
     sys.exit(f"study: error: {os.path.basename(folder)} failed (exit {rc}); "
              f"see {folder}.log")
+
+
+def _commit():
+  """The work tree's commit (with "+changes" if it differs), or None."""
+  try:
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                          text=True, check=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                           cwd=ROOT, capture_output=True, text=True).stdout.strip()
+  except (OSError, subprocess.CalledProcessError):
+    return None
+  return head + ("+changes" if dirty else "")
 
 
 def other_routing(iter_routing):

@@ -9,6 +9,7 @@
   diagnostics.jsonl  the gradient diagnostic, one row a measurement
   test_results.json  the best checkpoint scored on the test set, at the end
   routing.json       how far routing moves the couplings (capsnet.study)
+  host.json          the machine and code a study run trained on (capsnet.study)
   train.lock         held by the one trainer writing the folder
 
 `RunFolder` writes and reads all of it (train.py, eval.py, capsnet.study,
@@ -37,9 +38,10 @@ METRICS_FILE = "metrics.jsonl"
 DIAGNOSTICS_FILE = "diagnostics.jsonl"
 TEST_RESULTS_FILE = "test_results.json"
 ROUTING_FILE = "routing.json"
+HOST_FILE = "host.json"
 # What a study publishes of a run (never its checkpoints).
 SMALL_FILES = (CONFIG_FILE, METRICS_FILE, DIAGNOSTICS_FILE, TEST_RESULTS_FILE,
-               ROUTING_FILE)
+               ROUTING_FILE, HOST_FILE)
 CHECKPOINT_FOLDERS = ("latest", "best")
 
 
@@ -247,6 +249,20 @@ class RunFolder:
   def routing(self):
     """routing.json, or None."""
     return _read_json(self.file(ROUTING_FILE))
+
+  def record_host(self, facts):
+    """host.json: `facts` (the machine, the code) as {"started": facts}; a
+    later start on another machine or code is added to "resumed"."""
+    old = _read_json(self.file(HOST_FILE))
+    if old is None:
+      files.write_json(self.file(HOST_FILE), {"started": facts, "resumed": []})
+    elif facts not in [old["started"], *old["resumed"]]:
+      old["resumed"].append(facts)
+      files.write_json(self.file(HOST_FILE), old)
+
+  def host(self):
+    """host.json, or None."""
+    return _read_json(self.file(HOST_FILE))
 
 
 def _same(path, field, before, value):
