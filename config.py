@@ -1,8 +1,9 @@
 """Command-line flags and their conversion into a `ModelConfig`.
 
-Only train.py and eval.py call the `define_*` functions (at import) and read
-FLAGS (in main); the graph builder takes the plain config. capsnet.study,
-capsnet.bench and capsnet.pretrained define flags of their own.
+train.py calls the `define_*` functions at import, eval.py when run as a
+program (`eval.define_flags`, under `__main__`); both read FLAGS in main only.
+The graph builder takes the plain config. capsnet.study, capsnet.bench and
+capsnet.pretrained define flags of their own.
 """
 import dataclasses
 import os
@@ -48,13 +49,20 @@ _MODEL_HELP = {
     "recon_weight": "weight of the summed squared reconstruction error",
     "dtype": "variable and routing dtype: float32 or float64",
     "precision": "fp32, or bf16: convolutions and decoder matmuls in bfloat16 "
-                 "(mixed; variables, u_hat, routing and losses in float32)",
-    "conv_impl": "how the convolutions are computed: custom_grad (strided "
-                 "gradients as stride-1 convolutions, in bf16 also the strided "
-                 "forward over 4 images side by side; Conv1's filter gradient as "
-                 "one GEMM; fast on CPU), conv2d (TensorFlow's conv2d and "
-                 "gradients; cuDNN on a GPU) or auto (custom_grad on the CPU, "
-                 "conv2d on a GPU)",
+                 "(mixed; variables, u_hat, routing and losses in float32; fast "
+                 "on a CPU with AMX), or (train.py) auto: the one the planner "
+                 "measures faster on this host, recorded in config.json",
+    "conv_impl": "how the convolutions are computed: auto (train.py: each "
+                 "convolution's fastest method measured on this host and cached, "
+                 "conv_plan; TensorFlow's on a GPU; without a plan custom_grad on "
+                 "the CPU), custom_grad (strided gradients as stride-1 "
+                 "convolutions, in bf16 also the strided forward over 4 images "
+                 "side by side; Conv1's filter gradient as one GEMM), conv2d "
+                 "(TensorFlow's conv2d and gradients; cuDNN on a GPU) or dft "
+                 "(strided convolutions by an exact discrete Fourier transform)",
+    "conv_plan": "each convolution's method, conv1:M,primary_caps:M (M: conv2d, "
+                 "patch_gemm, dilated, folded, dft); empty: conv_impl decides "
+                 "(train.py records the measured plan in config.json)",
 }
 
 
@@ -74,7 +82,7 @@ def define_model_flags():
       flags.DEFINE_string(name, default, help_)
 
 
-def define_data_flags(dataset_default="mnist", flag_values=flags.FLAGS):
+def define_data_flags(dataset_default=tasks.DEFAULT, flag_values=flags.FLAGS):
   fv = flag_values
   flags.DEFINE_enum("dataset", dataset_default, DATASETS,
                     "data set; multimnist: pairs of overlapping MNIST digits "
@@ -88,7 +96,7 @@ def define_data_flags(dataset_default="mnist", flag_values=flags.FLAGS):
                     flag_values=fv)
   if dataset_default is None:   # eval.py: the split comes from config.json
     return
-  flags.DEFINE_integer("val_size", 5000, "validation images held out from the "
+  flags.DEFINE_integer("val_size", tasks.VAL_SIZE, "validation images held out from the "
                        "end of the training file (0 allowed)", lower_bound=0,
                        flag_values=fv)
   flags.DEFINE_integer("multimnist_shift", multimnist.PAIR_SHIFT, "multimnist: "
@@ -98,7 +106,7 @@ def define_data_flags(dataset_default="mnist", flag_values=flags.FLAGS):
 
 
 def define_train_flags():
-  """Model, data and trainer flags (train.py, capsnet.study)."""
+  """Model, data and trainer flags (train.py; capsnet.study passes train.py flags through)."""
   define_model_flags()
   define_data_flags()
   flags.DEFINE_string("logdir", "logs/run", "checkpoints, config.json, metrics, events")
@@ -135,6 +143,9 @@ def define_train_flags():
   flags.DEFINE_integer("val_every", 0, "steps between extra validations inside "
                        "an epoch (0: only at epoch ends)", lower_bound=0)
   flags.DEFINE_bool("progress", True, "show a tqdm progress bar")
+  flags.DEFINE_bool("replan", False, "measure the convolution plan (and with "
+                    "--precision=auto the precision) again; a resumed run keeps "
+                    "its recorded plan otherwise")
   flags.DEFINE_bool("adopt_checkpoints", False, "resume the checkpoints of a logdir "
                     "that has no config.json, with these flags (the variables' "
                     "shapes are checked against the model)")
@@ -171,7 +182,8 @@ def cluster_from_flags(values):
 
 def model_config_from_flags(values):
   """A ModelConfig from parsed flags (`FLAGS`, passed by a `main`); with
-  --dataset=multimnist the image size defaults to 36.
+  --dataset=multimnist the image size defaults to 36; --precision=auto gives
+  fp32 here (train.py asks the planner, `precision_auto`).
 
   Raises:
     ValueError: a value the config rejects; the message names the field.
@@ -183,6 +195,8 @@ def model_config_from_flags(values):
     if field.name in kwargs:
       continue
     value = values[field.name].value
+    if field.name == "precision" and value == "auto":
+      value = "fp32"
     if field.name == "decoder_units":
       try:
         value = tuple(int(u) for u in value)
@@ -228,7 +242,7 @@ def session_config(devices, log_device_placement=False):
 # What may differ between a run and its resumption: model fields that change
 # how the same computation is carried out, not what is computed, and the
 # length of the run. Every other model field and recorded setting must match.
-MAY_CHANGE_ON_RESUME = ("precision", "conv_impl", "epochs")
+MAY_CHANGE_ON_RESUME = ("precision", "conv_impl", "conv_plan", "epochs")
 # Recorded settings added since some runs started: what a config.json without
 # them means (weight averaging stays off for a run that started without it).
 SETTING_DEFAULTS = {"ema_decay": 0.0}
@@ -271,6 +285,7 @@ class Settings:
   workers: int              # workers training together (1: one process)
   sync: bool                # a cluster's updates: synchronous
   cluster_wait_secs: int
+  replan: bool = False      # measure the convolution plan again on resume
 
   def recorded(self):
     """The part of the settings that config.json keeps."""

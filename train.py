@@ -38,6 +38,7 @@ from capsnet.running import averaging  # noqa: E402
 from capsnet.running import cluster_spec  # noqa: E402
 from capsnet.running import distributed  # noqa: E402
 from capsnet.running import evaluation  # noqa: E402
+from capsnet.running import planner  # noqa: E402
 from capsnet.running import run_state  # noqa: E402
 from capsnet.running import runs  # noqa: E402
 from capsnet.running import stopping  # noqa: E402
@@ -146,6 +147,7 @@ def main(argv):
       folder.check_writable()
       run_lock = folder.lock()   # before reading anything there
       s.check_resume(folder, cfg)
+      cfg = plan(cfg, s, folder)
     splits = s.load_splits(cfg)
   except ValueError as e:   # DataError and RunError are ValueErrors
     if run_lock:   # a run that does not start leaves nothing
@@ -156,6 +158,21 @@ def main(argv):
   finally:
     if run_lock:
       run_lock.release()
+
+
+def plan(cfg, s, folder):
+  """cfg with the convolution plan (and --precision=auto's choice) measured
+  on this host, or a resumed run's recorded one (`planner.plan_model`); one
+  process only (a cluster's tasks keep conv_impl's rule)."""
+  if s.cluster:
+    return cfg
+  recorded = folder.config()
+  cfg, line = planner.plan_model(cfg, s.batch_size // s.num_gpus, s.device,
+                                 recorded["model"] if recorded else None, s.replan,
+                                 FLAGS.precision == "auto")
+  if line:
+    print(line, flush=True)
+  return cfg
 
 
 def run_training(cfg, s, devices, splits):

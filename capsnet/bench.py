@@ -4,18 +4,27 @@
   python -m capsnet.bench --precision=fp32 --json=bench.json
   python -m capsnet.bench --profile               # where the step's time goes
 
-For each (variant, precision, mode) a fresh child process builds the paper
-model, runs --warmup steps, then times --steps steps one by one and reports
-the median images/s, the achieved GFLOP/s (analytic FLOP count, below), its
-fraction of the fp32 matmul peak measured in the same round, and the child's
-peak RSS. All of it is repeated in --rounds interleaved rounds, and the
-report gives the medians over rounds (of the ratios too, each taken within
-its round). `tiled` is the naive baseline: W and u tiled over the batch and
-routing as the well-known TF1 reference does it (`tiled_digit_caps`), with
-TensorFlow's own convolution gradients.
+For each (variant, convolutions, precision, mode) a fresh child process
+builds the paper model, runs --warmup steps, then times --steps steps one by
+one and reports the median images/s, the achieved GFLOP/s (analytic FLOP
+count, below), its fraction of the matmul peak of its precision measured in
+the same round, and the child's peak RSS. `ours` is measured with each of
+--convs: `planned` (the host's plan, `capsnet.running.planner`, printed with
+the time it took) and the fixed choices (custom_grad, conv2d, dft); the
+report gives the planned step over each fixed one. Mode `layers` times
+PrimaryCaps' convolution alone (forward and both gradients) by each method,
+with the DFT's ratio against conv2d. All of it is repeated in --rounds
+interleaved rounds, and the report gives the medians over rounds (of the
+ratios too, each taken within its round). `tiled` is the naive baseline: W
+and u tiled over the batch and routing as the well-known TF1 reference does
+it (`tiled_digit_caps`), with TensorFlow's own convolution gradients.
+--host_file also writes the report to bench_results/<CPU model>.<kernel
+flag>.json, one file per kind of host measured.
 """
 import dataclasses
 import multiprocessing
+import os
+import re
 import resource
 import statistics
 import time
@@ -24,7 +33,11 @@ from absl import app
 from absl import flags
 
 from capsnet.running import files
+from capsnet.running import host
 from capsnet.running import startup
+
+CONVS = ("planned", "custom_grad", "conv2d", "dft")
+MODES = ("train", "infer", "input", "layers")
 
 
 def define_flags():
@@ -34,11 +47,15 @@ def define_flags():
   flags.DEFINE_integer("iter_routing", 3, "routing iterations", lower_bound=1)
   flags.DEFINE_list("precision", ["fp32", "bf16"], "precisions to measure")
   flags.DEFINE_list("variants", ["ours", "tiled"], "ours and/or tiled (baseline)")
-  flags.DEFINE_list("modes", ["train", "infer", "input"],
-                    "train, infer (model steps) and/or input (the training input "
-                    "pipeline alone: shuffle order, shift augmentation, batching)")
-  flags.DEFINE_enum("conv_impl", "custom_grad", ["custom_grad", "conv2d"],
-                    "convolution gradients of `ours` (the baseline uses conv2d)")
+  flags.DEFINE_list("modes", ["train", "infer", "input", "layers"],
+                    "train, infer (model steps), input (the training input "
+                    "pipeline alone: shuffle order, shift augmentation, batching) "
+                    "and/or layers (PrimaryCaps' convolution by each method)")
+  flags.DEFINE_list("convs", list(CONVS), "the convolutions of `ours`: planned (the "
+                    "host's measured plan) and/or fixed conv_impl choices "
+                    "custom_grad, conv2d, dft (the baseline uses conv2d)")
+  flags.DEFINE_bool("host_file", False, "also write the report to "
+                    "bench_results/<CPU model>.<kernel flag>.json")
   flags.DEFINE_integer("steps", 12, "timed steps (median is reported)", lower_bound=1)
   flags.DEFINE_integer("warmup", 3, "untimed steps first", lower_bound=0)
   flags.DEFINE_integer("peak_size", 2048, "n of the n x n matmuls that measure "
@@ -132,14 +149,27 @@ def _build(variant, cfg, images, labels, train):
   return opt.minimize(out.loss)
 
 
-def _step_graph(variant, precision, mode, settings):
-  """In the default graph: the config and the step op on a fixed batch."""
+def _step_graph(variant, precision, mode, settings, conv="custom_grad"):
+  """In the default graph: the config and the step op on a fixed batch.
+
+  Args:
+    conv: a `CONVS` choice for `ours`: "planned" plans (or reads the cache)
+      first, for this mode's batch.
+  Returns: (cfg, op, the planning's seconds or None).
+  """
   import numpy as np
   import tensorflow as tf
   from capsnet.model import network
+  from capsnet.running import planner
   cfg = network.ModelConfig(iter_routing=settings["iter_routing"], precision=precision,
-                          conv_impl=settings["conv_impl"])
+                            conv_impl="auto" if conv == "planned" else conv)
   batch = settings["batch_size"]
+  planning = None
+  if conv == "planned" and variant == "ours":
+    start = time.perf_counter()
+    plan, _ = planner.plan_convolutions(cfg, batch, mode == "train")
+    planning = time.perf_counter() - start
+    cfg = dataclasses.replace(cfg, conv_plan=plan)
   rng = np.random.RandomState(0)
   # Variables, not constants: grappler would fold whatever depends on the
   # images alone (e.g. Conv1's patches) and time less than training does.
@@ -147,15 +177,15 @@ def _step_graph(variant, precision, mode, settings):
                        trainable=False)
   labels = tf.Variable(rng.randint(0, 10, batch).astype(np.int32),
                        trainable=False)
-  return cfg, _build(variant, cfg, images, labels, mode == "train")
+  return cfg, _build(variant, cfg, images, labels, mode == "train"), planning
 
 
-def _measure(variant, precision, mode, settings, queue):
+def _measure(variant, precision, mode, settings, queue, conv="custom_grad"):
   """Child process: time one configuration, put a result dict on `queue`."""
   tf = _child_tensorflow()
   batch = settings["batch_size"]
   with tf.Graph().as_default():
-    cfg, op = _step_graph(variant, precision, mode, settings)
+    cfg, op, planning = _step_graph(variant, precision, mode, settings, conv)
     with tf.compat.v1.Session() as sess:
       sess.run(tf.compat.v1.global_variables_initializer())
       for _ in range(settings["warmup"]):
@@ -168,6 +198,8 @@ def _measure(variant, precision, mode, settings, queue):
   step = statistics.median(times)
   gflop = flops_per_image(cfg, mode == "train") * batch / 1e9
   queue.put({"variant": variant, "precision": precision, "mode": mode,
+             "conv": conv if variant == "ours" else "conv2d", "plan": cfg.conv_plan,
+             "planning_s": planning,
              "batch_size": batch, "images_per_sec": batch / step,
              "step_ms": 1000 * step, "gflop_per_image": gflop / batch,
              "gflops": gflop / step,
@@ -190,7 +222,7 @@ def _profile(precision, settings, queue, traces=3, top=12):
   tf = _child_tensorflow()
   per_op = collections.Counter()
   with tf.Graph().as_default():
-    _, op = _step_graph("ours", precision, "train", settings)
+    _, op, _ = _step_graph("ours", precision, "train", settings, settings["conv"])
     config = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=1)
     with tf.compat.v1.Session(config=config) as sess:
       sess.run(tf.compat.v1.global_variables_initializer())
@@ -258,6 +290,22 @@ def _measure_input(settings, queue, n=55000, batches=200):
              "images_per_sec": batches * batch / wall})
 
 
+def _measure_layers(precision, settings, queue):
+  """Child process: PrimaryCaps' convolution (forward and both gradients) by
+  each method, ms (median of 5), at the benchmark's batch."""
+  _child_tensorflow()
+  from capsnet.model import fast_conv
+  from capsnet.model import network
+  from capsnet.running import planner
+  cfg = network.ModelConfig(precision=precision)
+  conv = planner.convolutions(cfg, settings["batch_size"])[1]
+  dtype = planner.compute_dtype(cfg)
+  queue.put({"mode": "layers", "precision": precision, "layer": conv.layer,
+             "ms": {m: 1e3 * planner.time_method(conv, m, dtype, True, repeats=5)
+                    for m in fast_conv.candidates(conv.stride)},
+             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024})
+
+
 def _matmul_peak(dtype_name, n, queue, reps=10):
   """Child process: best GFLOP/s of four independent n x n matmuls.
 
@@ -301,7 +349,11 @@ def _in_child(target, *args):
   return result
 
 
-def _one_round(settings, precisions, variants, modes):
+def _label(r):
+  return r["variant"] if r["variant"] == "tiled" else f"{r['variant']}/{r['conv']}"
+
+
+def _one_round(settings, precisions, variants, modes, convs=("custom_grad",)):
   """Every measurement once, each in a fresh child; ratios within the round."""
   peaks = {p: _in_child(_matmul_peak, "float32" if p == "fp32" else "bfloat16",
                         settings["peak_size"])
@@ -314,29 +366,47 @@ def _one_round(settings, precisions, variants, modes):
     results.append(r)
     print(f"input pipeline (shift augmentation, batch {r['batch_size']}): "
           f"{r['images_per_sec']:.0f} images/s", flush=True)
-  for mode in (m for m in modes if m != "input"):
+  ratios = {}
+  if "layers" in modes:
     for precision in precisions:
-      for variant in variants:
-        r = _in_child(_measure, variant, precision, mode, settings)
+      r = _in_child(_measure_layers, precision, settings)
+      results.append(r)
+      ms = r["ms"]
+      ratios[f"layers_{precision}_conv2d_over_dft"] = ms["conv2d"] / ms["dft"]
+      print(f"layers {precision:4s} {r['layer']} forward + gradients: " + ", ".join(
+          f"{m} {t:.1f} ms" for m, t in ms.items())
+          + f"; conv2d/dft {ms['conv2d'] / ms['dft']:.2f}x", flush=True)
+  for mode in (m for m in modes if m in ("train", "infer")):
+    for precision in precisions:
+      for variant, conv in [(v, c) for v in variants for c in
+                            (convs if v == "ours" else ("conv2d",))]:
+        r = _in_child(_measure, variant, precision, mode, settings, conv)
         r["fraction_of_fp32_peak"] = r["gflops"] / peaks["fp32"]
+        r["fraction_of_peak"] = r["gflops"] / peaks[precision]
         r["fp32_limit_images_per_sec"] = peaks["fp32"] / r["gflop_per_image"]
         results.append(r)
-        print(f"{mode:5s} {precision:4s} {variant:5s} {r['images_per_sec']:7.1f} images/s "
-              f"{r['gflops']:6.1f} GFLOP/s = {r['fraction_of_fp32_peak']:.2f} of fp32 "
-              f"peak  peak RSS {r['peak_rss_mib']:6.0f} MiB", flush=True)
-  ratios = {}
-  for mode in (m for m in modes if m != "input"):
-    by = {(r["precision"], r["variant"]): r["images_per_sec"]
+        plan = (f"  plan {r['plan']} ({r['planning_s']:.1f} s)"
+                if r["planning_s"] is not None else "")
+        print(f"{mode:5s} {precision:4s} {_label(r):17s} {r['images_per_sec']:7.1f} "
+              f"images/s {r['gflops']:6.1f} GFLOP/s = {r['fraction_of_peak']:.2f} of "
+              f"{precision} peak  peak RSS {r['peak_rss_mib']:6.0f} MiB{plan}", flush=True)
+  for mode in (m for m in modes if m in ("train", "infer")):
+    by = {(r["precision"], _label(r)): r["images_per_sec"]
           for r in results if r["mode"] == mode}
+    main = f"ours/{convs[0]}"
     for p in precisions:
-      if (p, "ours") in by and (p, "tiled") in by:
-        ratios[f"{mode}_{p}_ours_over_tiled"] = by[(p, "ours")] / by[(p, "tiled")]
-    if ("bf16", "ours") in by and ("fp32", "ours") in by:
-      ratios[f"{mode}_bf16_over_fp32"] = by[("bf16", "ours")] / by[("fp32", "ours")]
+      if (p, main) in by and (p, "tiled") in by:
+        ratios[f"{mode}_{p}_ours_over_tiled"] = by[(p, main)] / by[(p, "tiled")]
+      if convs[0] == "planned":
+        for conv in convs[1:]:
+          if (p, f"ours/{conv}") in by and (p, main) in by:
+            ratios[f"{mode}_{p}_planned_over_{conv}"] = by[(p, main)] / by[(p, f"ours/{conv}")]
+    if ("bf16", main) in by and ("fp32", main) in by:
+      ratios[f"{mode}_bf16_over_fp32"] = by[("bf16", main)] / by[("fp32", main)]
   if "input" in modes and "train" in modes:
     fed = results[0]["images_per_sec"]
     for r in results:
-      if r["mode"] == "train" and r["variant"] == "ours":
+      if r["mode"] == "train" and r["variant"] == "ours" and r["conv"] == convs[0]:
         ratios[f"input_over_train_{r['precision']}"] = fed / r["images_per_sec"]
   return {"matmul_peak_gflops": peaks, "results": results, "ratios": ratios}
 
@@ -345,7 +415,7 @@ def summarize(rounds):
   """Medians over rounds: of each figure, and of each within-round ratio and
   fraction of the same round's peak (peak RSS: the largest)."""
   def key(r):
-    return (r["mode"], r.get("precision"), r.get("variant"))
+    return (r["mode"], r.get("precision"), r.get("variant"), r.get("conv"))
   results = []
   for first in rounds[0]["results"]:
     same = [r for rnd in rounds for r in rnd["results"] if key(r) == key(first)]
@@ -354,6 +424,8 @@ def summarize(rounds):
       if isinstance(value, float):
         pick = max if name == "peak_rss_mib" else statistics.median
         merged[name] = pick(r[name] for r in same)
+    if "ms" in first:   # layers: the median of each method's time
+      merged["ms"] = {m: statistics.median(r["ms"][m] for r in same) for m in first["ms"]}
     results.append(merged)
   medians = lambda field: {k: statistics.median(rnd[field][k] for rnd in rounds)
                            for k in rounds[0][field]}
@@ -361,42 +433,62 @@ def summarize(rounds):
           "ratios": medians("ratios")}
 
 
-def run(settings, precisions, variants, modes, rounds=1):
+def run(settings, precisions, variants, modes, rounds=1, convs=("custom_grad",)):
   """`rounds` interleaved rounds of every measurement, then their medians:
   the machine drifts by 10-20% over minutes, so a figure measured once, or
   all figures of one kind in a row, would compare different machine states."""
   per_round = []
   for n in range(rounds):
     print(f"-- round {n + 1} of {rounds}", flush=True)
-    per_round.append(_one_round(settings, precisions, variants, modes))
+    per_round.append(_one_round(settings, precisions, variants, modes, convs))
   summary = summarize(per_round)
   print(f"-- median of {rounds} round(s)")
   for r in summary["results"]:
     if r["mode"] == "input":
       print(f"input pipeline {r['images_per_sec']:.0f} images/s")
+    elif r["mode"] == "layers":
+      print(f"layers {r['precision']:4s} {r['layer']}: " + ", ".join(
+          f"{m} {t:.1f} ms" for m, t in r["ms"].items()))
     else:
-      print(f"{r['mode']:5s} {r['precision']:4s} {r['variant']:5s} "
-            f"{r['images_per_sec']:7.1f} images/s  {r['fraction_of_fp32_peak']:.2f} "
-            f"of fp32 peak  peak RSS {r['peak_rss_mib']:6.0f} MiB")
+      plan = f"  plan {r['plan']}" if r["conv"] == "planned" else ""
+      print(f"{r['mode']:5s} {r['precision']:4s} {_label(r):17s} "
+            f"{r['images_per_sec']:7.1f} images/s  {r['fraction_of_peak']:.2f} "
+            f"of {r['precision']} peak  peak RSS {r['peak_rss_mib']:6.0f} MiB{plan}")
   print("matmul peak: " + ", ".join(
       f"{p} {g:.0f} GFLOP/s" for p, g in summary["matmul_peak_gflops"].items()))
   for k, v in summary["ratios"].items():
     spread = [rnd["ratios"][k] for rnd in per_round]
     print(f"{k}: {v:.2f}x  (rounds: {', '.join(f'{x:.2f}' for x in spread)})")
-  return {"settings": dict(settings, rounds=rounds), **summary, "rounds": per_round}
+  return {"settings": dict(settings, rounds=rounds, convs=list(convs)),
+          "host": host.describe(), **summary, "rounds": per_round}
+
+
+def host_file(root=None):
+  """bench_results/<CPU model>.<its best kernel flag>.json."""
+  facts = host.describe()
+  model = re.sub(r"\((R|TM)\)", "", facts["cpu"], flags=re.I)
+  model = re.sub(r"[^A-Za-z0-9]+", "-", model).strip("-") or "unknown-cpu"
+  best = next((f for f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2")
+               if f in facts["flags"]), "baseline")
+  root = root or os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                              "bench_results")
+  return os.path.join(root, f"{model}.{best}.json")
 
 
 def main(argv):
   del argv
   settings = {"batch_size": FLAGS.batch_size, "iter_routing": FLAGS.iter_routing,
-              "conv_impl": FLAGS.conv_impl, "steps": FLAGS.steps,
-              "warmup": FLAGS.warmup, "peak_size": FLAGS.peak_size}
+              "conv": FLAGS.convs[0] if FLAGS.convs else "custom_grad",
+              "steps": FLAGS.steps, "warmup": FLAGS.warmup, "peak_size": FLAGS.peak_size}
+  for c in FLAGS.convs:
+    if c not in CONVS:
+      raise app.UsageError(f"--convs: {c!r} is not one of {', '.join(CONVS)}")
   for p in FLAGS.precision:
     if p not in ("fp32", "bf16"):
       raise app.UsageError(f"--precision: {p!r} is not fp32 or bf16")
   for m in FLAGS.modes:
-    if m not in ("train", "infer", "input"):
-      raise app.UsageError(f"--modes: {m!r} is not train, infer or input")
+    if m not in MODES:
+      raise app.UsageError(f"--modes: {m!r} is not train, infer, input or layers")
   for v in FLAGS.variants:
     if v not in ("ours", "tiled"):
       raise app.UsageError(f"--variants: {v!r} is not ours or tiled")
@@ -404,9 +496,12 @@ def main(argv):
     report = profile(settings, FLAGS.precision)
   else:
     report = run(settings, FLAGS.precision, FLAGS.variants, FLAGS.modes,
-                 FLAGS.rounds)
+                 FLAGS.rounds, tuple(FLAGS.convs) or ("custom_grad",))
   if FLAGS.json:
     files.write_json(FLAGS.json, report)
+  if FLAGS.host_file and not FLAGS.profile:
+    files.write_json(host_file(), report)
+    print(f"wrote {host_file()}")
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -55,10 +56,17 @@ def needs_mnist(test):
   return fail
 
 # A small CapsNet for command-line tests: 16 Conv1 channels, 4 primary types.
+# The convolutions by conv_impl's rule, not a plan measured on the host, so
+# that every test computes the same thing on every machine (the planner's
+# own tests, tests/test_planner.py, plan).
 SMALL = ["--conv1_channels=16", "--primary_types=4", "--primary_dim=4",
          "--digit_dim=8", "--decoder_units=32", "--batch_size=32",
          "--val_size=500", "--eval_batch_size=300", "--progress=false",
-         f"--data_dir={MNIST}", "--download=false"]
+         f"--data_dir={MNIST}", "--download=false", "--conv_impl=custom_grad"]
+
+# Where a test that plans keeps the plan cache: never the user's ~/.cache.
+os.environ.setdefault("CAPSNET_CACHE_DIR", os.path.join(
+    tempfile.gettempdir(), f"capsnet-test-cache-{os.getpid()}"))
 
 
 def cli(script, *args, timeout=300, tf_log_level="3", **kwargs):

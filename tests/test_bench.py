@@ -53,9 +53,10 @@ def test_tiled_baseline_computes_the_same_capsules(tiny_cfg, iters, stop):
     np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
 
 
-def _bench(*args, quiet=True):
-  """quiet=False: TF_CPP_MIN_LOG_LEVEL unset, as a user's shell has it."""
-  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+def _bench(*args, quiet=True, env=None):
+  """quiet=False: TF_CPP_MIN_LOG_LEVEL unset, as a user's shell has it; env:
+  more variables."""
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", **(env or {}))
   if not quiet:
     del env["TF_CPP_MIN_LOG_LEVEL"]
   return subprocess.run([sys.executable, "-m", "capsnet.bench", *args], cwd=ROOT,
@@ -73,14 +74,25 @@ def test_cli_small_run_writes_json(tmp_path):
   """One round, tiny batch: the report's figures and how they relate."""
   path = tmp_path / "bench.json"
   proc = _bench("--batch_size=4", "--steps=1", "--warmup=0", "--rounds=1",
-                "--modes=infer", "--precision=fp32", "--peak_size=256", f"--json={path}",
-                quiet=False)
+                "--modes=infer,layers", "--precision=fp32", "--peak_size=256",
+                "--convs=planned,conv2d", f"--json={path}", quiet=False,
+                env={"CAPSNET_CACHE_DIR": str(tmp_path / "cache")})
   assert proc.returncode == 0, proc.stderr[-2000:]
   report = json.loads(path.read_text())
   assert report["settings"]["rounds"] == 1 and len(report["rounds"]) == 1
   assert report["settings"]["peak_size"] == 256
-  assert {(r["variant"], r["mode"]) for r in report["results"]} == {
-      ("ours", "infer"), ("tiled", "infer")}
+  assert report["host"]["cpu"]
+  (layers,) = [r for r in report["results"] if r["mode"] == "layers"]
+  assert set(layers["ms"]) == {"conv2d", "dilated", "folded", "dft"}
+  assert report["ratios"]["layers_fp32_conv2d_over_dft"] == pytest.approx(
+      layers["ms"]["conv2d"] / layers["ms"]["dft"])
+  report["results"].remove(layers)
+  assert {(r["variant"], r["conv"], r["mode"]) for r in report["results"]} == {
+      ("ours", "planned", "infer"), ("ours", "conv2d", "infer"), ("tiled", "conv2d", "infer")}
+  planned = next(r for r in report["results"] if r["conv"] == "planned")
+  assert planned["plan"].startswith("conv1:") and planned["planning_s"] > 0
+  assert f"plan {planned['plan']}" in proc.stdout
+  assert os.path.exists(tmp_path / "cache" / "conv_plans.json")
   peak = report["matmul_peak_gflops"]["fp32"]
   for r in report["results"]:
     assert r["images_per_sec"] == pytest.approx(4 / (r["step_ms"] / 1000))
@@ -88,9 +100,12 @@ def test_cli_small_run_writes_json(tmp_path):
     assert r["fraction_of_fp32_peak"] == pytest.approx(r["gflops"] / peak)
     assert r["gflop_per_image"] == pytest.approx(
         bench.flops_per_image(network.ModelConfig(), train=False) / 1e9)
-  by = {r["variant"]: r["images_per_sec"] for r in report["results"]}
+  by = {r["conv"] if r["variant"] == "ours" else "tiled": r["images_per_sec"]
+        for r in report["results"]}
   assert report["ratios"]["infer_fp32_ours_over_tiled"] == pytest.approx(
-      by["ours"] / by["tiled"])
+      by["planned"] / by["tiled"])
+  assert report["ratios"]["infer_fp32_planned_over_conv2d"] == pytest.approx(
+      by["planned"] / by["conv2d"])
   assert "median of 1 round(s)" in proc.stdout
   # The children start quietly, as train.py and eval.py do: no TensorFlow
   # C++ notices (I0000/W0000/E0000 lines, "WARNING: All log messages...").

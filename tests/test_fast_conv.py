@@ -32,7 +32,8 @@ def _run(method, h, w, kernel, stride, relu, channels=3, dtype=np.float64):
 @pytest.mark.parametrize("relu", [False, True])
 @pytest.mark.parametrize("method,shape", [
     *[("dilated", s) for s in STRIDED], *[("folded", s) for s in STRIDED],
-    *[("patch_gemm", s) for s in STRIDE_ONE]])
+    *[("patch_gemm", s) for s in STRIDE_ONE],
+    *[("dft", s) for s in STRIDED + STRIDE_ONE]])
 def test_method_equals_conv2d_in_value_and_gradients(method, shape, relu):
   ours = _run(method, *shape, relu)
   theirs = _run("conv2d", *shape, relu)
@@ -56,6 +57,47 @@ def test_folded_method_in_bfloat16_is_close_to_conv2d():
     assert err(b) < max(2 * err(c), 1e-2), (name, err(b), err(c))
 
 
+def test_dft_method_on_the_paper_primary_caps_shape_is_exact():
+  """PrimaryCaps' shape (20x20 in, 9x9, stride 2; fewer channels): the DFT
+  of size 19 reads input positions 0..18 only and nothing wraps round."""
+  theirs = _run("conv2d", 20, 20, 9, 2, False, channels=6)
+  ours = _run("dft", 20, 20, 9, 2, False, channels=6)
+  for name, a, b in zip(("value", "dx", "dw", "dbias"), theirs, ours):
+    np.testing.assert_allclose(b, a, rtol=1e-10, atol=1e-12, err_msg=name)
+  assert np.abs(ours[1][:, 19]).max() == 0 and np.abs(ours[1][:, :, 19]).max() == 0
+
+
+# Relative (Frobenius) error against float64 of a method in a lower dtype:
+# float32's measured ~1e-7 (bound 1e-5); bfloat16's is TensorFlow's own bf16
+# convolution's (2^-8 rounding of inputs and output, ~3e-3; the DFT's
+# transforms stay in float32 and only its contraction is bf16).
+@pytest.mark.parametrize("dtype,bound", [(np.float32, 1e-5), ("bf16", 2e-2)])
+def test_dft_method_in_lower_precision_is_close_to_float64(dtype, bound):
+  bf16 = tf.bfloat16.as_numpy_dtype
+  dtype = bf16 if dtype == "bf16" else dtype
+  exact = _run("conv2d", 20, 20, 9, 2, False, channels=16)
+  ours = _run("dft", 20, 20, 9, 2, False, channels=16, dtype=dtype)
+  theirs = _run("conv2d", 20, 20, 9, 2, False, channels=16, dtype=dtype)
+  for name, a, b, c in zip(("value", "dx", "dw", "dbias"), exact, ours, theirs):
+    err = lambda t: np.linalg.norm(np.asarray(t, np.float64) - a) / np.linalg.norm(a)
+    assert err(b) < bound, (name, err(b))
+    assert err(b) < max(2 * err(c), 1e-6), (name, err(b), err(c))
+
+
+def test_plans_parse_and_refuse_what_does_not_fit():
+  plan = "conv1:patch_gemm,primary_caps:dft"
+  assert fast_conv.parse_plan(plan) == {"conv1": "patch_gemm", "primary_caps": "dft"}
+  assert fast_conv.format_plan(fast_conv.parse_plan(plan)) == plan
+  assert fast_conv.parse_plan("") == {}
+  for bad, why in [("conv1:fft,primary_caps:dft", "expected conv1:M,primary_caps:M"),
+                   ("conv1:dft", r"names \['conv1'\], expected"),
+                   ("conv1:folded,primary_caps:dft", "conv1 has stride 1")]:
+    with pytest.raises(ValueError, match=why):
+      fast_conv.parse_plan(bad)
+  assert fast_conv.candidates(1) == ("conv2d", "patch_gemm", "dft")
+  assert fast_conv.candidates(2) == ("conv2d", "dilated", "folded", "dft")
+
+
 @pytest.mark.parametrize("conv_impl,dtype,stride,patch,method", [
     ("custom_grad", tf.float32, 1, 81, "patch_gemm"),      # paper Conv1
     ("custom_grad", tf.bfloat16, 1, 81, "patch_gemm"),
@@ -66,6 +108,8 @@ def test_folded_method_in_bfloat16_is_close_to_conv2d():
     ("custom_grad", tf.bfloat16, 2, 20736, "folded"),
     ("conv2d", tf.bfloat16, 2, 20736, "conv2d"),
     ("conv2d", tf.float32, 1, 81, "conv2d"),
+    ("dft", tf.bfloat16, 2, 20736, "dft"),
+    ("dft", tf.float32, 1, 81, "patch_gemm"),     # dft: the strided convolutions
 ])
 def test_choose_method(conv_impl, dtype, stride, patch, method):
   assert fast_conv.choose_method(conv_impl, dtype, stride, patch) == method
@@ -81,14 +125,14 @@ def test_resolve_impl_by_device(conv_impl, device, resolved):
 
 def test_unknown_or_mismatched_methods_raise():
   x, w, b = tf.zeros([1, 10, 10, 3]), tf.zeros([3, 3, 3, 4]), tf.zeros([4])
-  with pytest.raises(ValueError, match="conv_impl must be 'custom_grad' or "
-                     "'conv2d', got 'fft'"):
+  with pytest.raises(ValueError, match="conv_impl must be 'custom_grad', "
+                     "'conv2d' or 'dft', got 'fft'"):
     fast_conv.choose_method("fft", tf.float32, 1, 9)
   with pytest.raises(ValueError, match=r"conv_impl must be one of \('auto', "
-                     r"'custom_grad', 'conv2d'\), got 'fft'"):
+                     r"'custom_grad', 'conv2d', 'dft'\), got 'fft'"):
     fast_conv.resolve_impl("fft")
   with pytest.raises(ValueError, match=r"method must be one of \('conv2d', "
-                     r"'patch_gemm', 'dilated', 'folded'\), got 'phases'"):
+                     r"'patch_gemm', 'dilated', 'folded', 'dft'\), got 'phases'"):
     fast_conv.conv2d(x, w, b, 2, "phases")
   with pytest.raises(ValueError, match="method 'patch_gemm' does not take stride 2"):
     fast_conv.conv2d(x, w, b, 2, "patch_gemm")

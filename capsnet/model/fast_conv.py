@@ -2,10 +2,12 @@
 `tf.nn.conv2d`, computed in forms that oneDNN runs fast.
 
 One entry point, `conv2d(x, w, bias, stride, method, relu)`, and one place
-that chooses: `resolve_impl` turns the config's `conv_impl` ("auto":
+that chooses by rule: `resolve_impl` turns the config's `conv_impl` ("auto":
 these forms on the CPU, TensorFlow's on a GPU, where cuDNN's strided
-gradients are fast) into "custom_grad" or "conv2d" for a device, and
-`choose_method` picks each convolution's method. The methods:
+gradients are fast) into "custom_grad", "conv2d" or "dft" for a device, and
+`choose_method` picks each convolution's method. A plan measured on the
+host (`capsnet.running.planner`, `conv_impl="auto"` in the programs) names
+each layer's method instead (`parse_plan`). The methods:
 
 - "conv2d": TensorFlow's convolution and its own gradients.
 - "patch_gemm" (stride 1): the filter and bias gradients are one GEMM of the
@@ -23,14 +25,26 @@ gradients are fast) into "custom_grad" or "conv2d" for a device, and
   "dilated". oneDNN's bfloat16 convolutions run well below their speed on
   narrow output rows (PrimaryCaps: 6 wide); the folded rows are 4 times as
   wide.
+- "dft" (any stride): exact correlation by a 2-D discrete Fourier transform
+  of the used input extent (size `s(o-1)+k` each way, so nothing wraps
+  round): real DFT along the width, full along the height, the input
+  channels contracted per frequency bin as three real batched matmuls
+  (Gauss's complex product), and only the strided outputs transformed back.
+  Every transform is a small real matrix product, so the gradients are
+  ordinary matmul gradients. For PrimaryCaps (20x20, 9x9, stride 2, 256 to
+  256 channels, batch 128): 190 bins, 5.7 G multiply-adds a forward pass
+  against 24.5 G for the direct convolution. In bfloat16 the transforms run
+  in float32 and only the contraction in bfloat16, as four real products
+  instead of three (`_dft_conv`).
 
 Every method is tested against `tf.nn.conv2d` in float64, value and all
 gradients (tests/test_fast_conv.py). Timings that chose them are in the
 commit history and `python -m capsnet.bench`.
 """
+import numpy as np
 import tensorflow as tf
 
-METHODS = ("conv2d", "patch_gemm", "dilated", "folded")
+METHODS = ("conv2d", "patch_gemm", "dilated", "folded", "dft")
 
 # Largest patch (kernel * kernel * in_channels) for "patch_gemm": its one-hot
 # patch convolution costs patch^2 multiply-adds per output position, against
@@ -41,7 +55,9 @@ MAX_GEMM_PATCH = 256
 FOLD = 4
 
 
-IMPLS = ("auto", "custom_grad", "conv2d")
+IMPLS = ("auto", "custom_grad", "conv2d", "dft")
+# The model's convolutions, as a plan names them.
+LAYERS = ("conv1", "primary_caps")
 
 
 def resolve_impl(conv_impl, device=None):
@@ -63,8 +79,9 @@ def choose_method(conv_impl, dtype, stride, patch_size):
   """The method for one convolution; the only place that decides.
 
   Args:
-    conv_impl: "custom_grad" (the fast forms below) or "conv2d" (from
-      `resolve_impl`).
+    conv_impl: "custom_grad" (the fast forms below), "conv2d" or "dft" (the
+      DFT for strided convolutions, the custom forms otherwise), from
+      `resolve_impl`.
     dtype: the compute dtype of the convolution.
     stride: its stride.
     patch_size: kernel height * kernel width * input channels.
@@ -72,13 +89,51 @@ def choose_method(conv_impl, dtype, stride, patch_size):
   Raises:
     ValueError: an unknown `conv_impl`.
   """
-  if conv_impl not in ("custom_grad", "conv2d"):
-    raise ValueError(f"conv_impl must be 'custom_grad' or 'conv2d', got {conv_impl!r}")
+  if conv_impl not in ("custom_grad", "conv2d", "dft"):
+    raise ValueError("conv_impl must be 'custom_grad', 'conv2d' or 'dft', "
+                     f"got {conv_impl!r}")
   if conv_impl == "conv2d":
     return "conv2d"
+  if conv_impl == "dft" and stride > 1:
+    return "dft"
   if stride == 1:
     return "patch_gemm" if patch_size <= MAX_GEMM_PATCH else "conv2d"
   return "folded" if tf.as_dtype(dtype) == tf.bfloat16 else "dilated"
+
+
+def candidates(stride):
+  """The methods that can compute a convolution of this stride."""
+  if stride == 1:
+    return ("conv2d", "patch_gemm", "dft")
+  return ("conv2d", "dilated", "folded", "dft")
+
+
+def format_plan(methods):
+  """"conv1:patch_gemm,primary_caps:dft" from {layer: method}."""
+  return ",".join(f"{layer}:{methods[layer]}" for layer in LAYERS)
+
+
+def parse_plan(plan):
+  """{layer: method} of a plan string ("" -> {}).
+
+  Raises: ValueError naming the plan if a layer or method is unknown or
+  missing, or a method does not fit its layer's stride kind.
+  """
+  if not plan:
+    return {}
+  methods = {}
+  for part in plan.split(","):
+    layer, _, method = part.partition(":")
+    if layer not in LAYERS or method not in METHODS or layer in methods:
+      raise ValueError(f"conv_plan={plan!r}: expected {format_plan(dict.fromkeys(LAYERS, 'M'))} "
+                       f"with each M one of {METHODS}")
+    methods[layer] = method
+  if set(methods) != set(LAYERS):
+    raise ValueError(f"conv_plan={plan!r}: names {sorted(methods)}, expected {list(LAYERS)}")
+  if methods["conv1"] in ("dilated", "folded"):
+    raise ValueError(f"conv_plan={plan!r}: conv1 has stride 1; {methods['conv1']!r} "
+                     "needs a stride > 1")
+  return methods
 
 
 def conv2d(x, w, bias, stride, method, relu=False):
@@ -98,13 +153,15 @@ def conv2d(x, w, bias, stride, method, relu=False):
   """
   if method not in METHODS:
     raise ValueError(f"fast_conv.conv2d: method must be one of {METHODS}, got {method!r}")
-  if (method == "patch_gemm") != (stride == 1) and method != "conv2d":
+  if (method == "patch_gemm") != (stride == 1) and method not in ("conv2d", "dft"):
     raise ValueError(f"fast_conv.conv2d: method {method!r} does not take "
                      f"stride {stride}")
   if method == "patch_gemm":
     return _patch_grad_conv(x, tf.convert_to_tensor(w), bias, relu)
   if method == "conv2d":
     y = tf.nn.conv2d(x, w, strides=stride, padding="VALID")
+  elif method == "dft":
+    y = _dft_conv(x, tf.convert_to_tensor(w), stride)
   else:
     y = _strided_conv(x, tf.convert_to_tensor(w), stride, folded=method == "folded")
   y = tf.nn.bias_add(y, bias)
@@ -288,3 +345,113 @@ def _fold_width(t, fold):
   _, h, wd, c = t.shape
   t = tf.reshape(t, [-1, fold, h, wd, c])
   return tf.reshape(tf.transpose(t, [0, 2, 1, 3, 4]), [-1, h, fold * wd, c])
+
+
+def _dft_matrices(size, used, outputs, stride, real):
+  """The DFT's real matrices along one axis, float64 numpy.
+
+  The axis has `size` input positions, of which the first `used` = N are
+  read (the DFT has N points; positions >= N get zero columns, so no input
+  is sliced off); `outputs` strided outputs at 0, stride, 2 stride, ...
+
+  Args:
+    real: a real DFT (bins 0 .. N // 2, the width) instead of a full one.
+  Returns: (cos [bins, size], -sin [bins, size]: the forward transform's
+    real and imaginary parts; icos [outputs, bins], isin [outputs, bins]:
+    the inverse's at the outputs, cos and sin of +2 pi f p / N, over N and
+    for the real DFT with the weights of the bins' conjugate twins).
+  """
+  n = used
+  bins = n // 2 + 1 if real else n
+  f = np.arange(bins)[:, None]
+  angle = 2 * np.pi * f * np.arange(size)[None, :] / n
+  mask = (np.arange(size) < n)[None, :]
+  cos, msin = np.cos(angle) * mask, -np.sin(angle) * mask
+  p = stride * np.arange(outputs)[:, None]
+  back = 2 * np.pi * p * np.arange(bins)[None, :] / n
+  weight = np.ones(bins) / n
+  if real:   # bins 1 .. ceil(N/2) - 1 stand for their twins N - f too
+    weight[1:(n + 1) // 2] *= 2
+  return cos, msin, np.cos(back) * weight, np.sin(back) * weight
+
+
+def _left(m, t):
+  """`m @ t` over t's first axis: m `[a, b]`, t `[b, ...]` -> `[a, ...]`."""
+  shape = tf.shape(t)
+  out = tf.matmul(m, tf.reshape(t, [shape[0], -1]))
+  return tf.reshape(out, tf.concat([[m.shape[0]], shape[1:]], 0))
+
+
+def _batched_left(m, t):
+  """`m @ t[i]` for each i: m `[a, b]`, t `[i, b, ...]` -> `[i, a, ...]`."""
+  shape = tf.shape(t)
+  out = tf.matmul(m, tf.reshape(t, [shape[0], shape[1], -1]))   # broadcast over i
+  return tf.reshape(out, tf.concat([shape[:1], [m.shape[0]], shape[2:]], 0))
+
+
+def _dft2(t, rows, cols):
+  """The 2-D transform of `t` `[h, w, ...]`: real DFT along w, full along h.
+
+  Args:
+    rows, cols: `_dft_matrices` of the height (full) and the width (real).
+  Returns: (re, im), each `[bins_h, bins_w, ...]`.
+  """
+  (hc, hs), (wc, ws) = rows[:2], cols[:2]
+  a, b = _batched_left(wc, t), _batched_left(ws, t)   # [h, bins_w, ...] re, im
+  # (hc + i hs)(a + i b)
+  return _left(hc, a) - _left(hs, b), _left(hc, b) + _left(hs, a)
+
+
+def _dft_conv(x, w, stride):
+  """conv2d(x, w, stride, VALID) by the discrete Fourier transform (exact).
+
+  The correlation `y[p, q] = sum_{m, l} x[p + m, q + l] w[m, l]` on the used
+  extent N_h x N_w (N = stride (outputs - 1) + kernel) is the inverse DFT of
+  `X conj(W)`; with N that large nothing wraps round at the strided outputs.
+  The complex product per bin, `(Xr + i Xi)(Wr - i Wi)`, is three real
+  matmuls (Gauss): k1 = (Xr + Xi) Wr, k2 = Xr (-Wi - Wr), k3 = Xi (Wr - Wi);
+  re = k1 - k3, im = k1 + k2. In bfloat16 the transforms are float32 and
+  only the contraction bfloat16, as four products (Xr Wr + Xi Wi, Xi Wr -
+  Xr Wi): TensorFlow's CPU matmul rounds a bfloat16 product's output to
+  bfloat16 (there is no bfloat16 x bfloat16 -> float32 kernel), and Gauss's
+  difference k1 - k3 would cancel; the result is cast back to x's dtype.
+
+  Args:
+    x: `[batch, h, w, c]`; w: `[k, k', c, n]`; stride: int.
+  Returns: `[batch, (h - k) // stride + 1, (w - k') // stride + 1, n]`.
+  """
+  h, wd, c = x.shape[1], x.shape[2], x.shape[3]
+  kh, kw, _, n = w.shape
+  oh, ow = (h - kh) // stride + 1, (wd - kw) // stride + 1
+  nh, nw = stride * (oh - 1) + kh, stride * (ow - 1) + kw
+  compute = x.dtype
+  exact = tf.float64 if compute == tf.float64 else tf.float32
+  mats = lambda *a: [tf.constant(m, exact) for m in _dft_matrices(*a)]
+  rows, cols = mats(h, nh, oh, stride, False), mats(wd, nw, ow, stride, True)
+  krows, kcols = mats(kh, nh, oh, stride, False), mats(kw, nw, ow, stride, True)
+  bins = nh * (nw // 2 + 1)
+  xt = tf.transpose(tf.cast(x, exact), [1, 2, 0, 3])        # [h, w, b, c]
+  xr, xi = _dft2(xt, rows, cols)                             # [bh, bw, b, c]
+  wr, wi = _dft2(tf.cast(w, exact), krows, kcols)            # [bh, bw, c, n]
+  flat = lambda t, last: tf.reshape(t, [bins, -1, last])
+  xr, xi, wr, wi = flat(xr, c), flat(xi, c), flat(wr, n), flat(wi, n)
+  if compute == tf.bfloat16:
+    # Four products, not Gauss's three: their bfloat16 outputs are rounded,
+    # and Gauss's k1 - k3 cancels, doubling the error (measured:
+    # docs/performance.md).
+    low = lambda t: tf.cast(t, compute)
+    mm = lambda a, b: tf.cast(tf.matmul(low(a), low(b)), exact)
+    yr, yi = mm(xr, wr) + mm(xi, wi), mm(xi, wr) - mm(xr, wi)
+  else:
+    k1 = tf.matmul(xr + xi, wr)
+    k2 = tf.matmul(xr, -wi - wr)
+    k3 = tf.matmul(xi, wr - wi)
+    yr, yi = k1 - k3, k1 + k2
+  yr = tf.reshape(yr, [nh, nw // 2 + 1, -1, n])             # [bh, bw, b, n]
+  yi = tf.reshape(yi, [nh, nw // 2 + 1, -1, n])
+  # Back along the height (complex, at the strided rows), then the width (real part).
+  hic, his = rows[2], rows[3]
+  zr, zi = _left(hic, yr) - _left(his, yi), _left(hic, yi) + _left(his, yr)  # [oh, bw, b, n]
+  wic, wis = cols[2], cols[3]
+  y = _batched_left(wic, zr) - _batched_left(wis, zi)        # [oh, ow, b, n]
+  return tf.cast(tf.transpose(y, [2, 0, 1, 3]), compute)

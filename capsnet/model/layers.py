@@ -1,4 +1,5 @@
-"""CapsNet layers (Sabour et al. 2017, Section 4). The only `get_variable` calls.
+"""CapsNet layers (Sabour et al. 2017, Section 4). The model's only `get_variable`
+calls (the benchmark's naive baseline, `bench.tiled_digit_caps`, has its own).
 
 Axis names used in the shape comments throughout:
   b = batch, i = in_caps (primary capsules), o = out_caps (digit capsules),
@@ -14,14 +15,14 @@ capsule layer over its 32 types (`primary_caps`) and DigitCaps with a learned
 bias on `s_j` (`digit_caps`).
 
 Every layer takes plain ints, and a `Precision` (decided once, from the
-config, by `model.precision_policy`): the variables' dtype, and the compute
+config, by `network.precision_policy`): the variables' dtype, and the compute
 dtype in which a layer's convolution or large matmul runs (bfloat16 under
 mixed precision). Conv1's output stays in the compute dtype for the
 PrimaryCaps convolution; the capsules, routing and decoder outputs are in
 the variables' dtype again. Without a `Precision` a layer computes in its
 input's dtype. `conv_impl` picks how
-the convolutions are computed (`fast_conv.choose_method`); every choice gives
-the same values and gradients.
+the convolutions are computed (`fast_conv.choose_method`), or a plan's
+`method` does; every choice gives the same values and gradients.
 """
 import collections
 
@@ -55,12 +56,13 @@ def _initializers(official, stddev=0.1):
 
 
 def _conv(x, kernel, channels, stride, precision, conv_impl, relu=False,
-          initializers=None, scale=None):
+          initializers=None, scale=None, method=None):
   """VALID convolution with bias (and ReLU); variables `weights`, `biases`.
 
   Args:
     x: `[batch, height, width, in_channels]`.
-    conv_impl: "custom_grad" or "conv2d" (see `fast_conv.choose_method`).
+    conv_impl: "custom_grad", "conv2d" or "dft" (see `fast_conv.choose_method`).
+    method: a `fast_conv.METHODS` name from a plan, instead of `conv_impl`'s rule.
     initializers: (weights, biases) initialisers; default `_initializers(False)`.
     scale: if given, the convolution's output (not its bias) is multiplied
       by it, as the kernel is before the convolution (a power of two is
@@ -77,28 +79,30 @@ def _conv(x, kernel, channels, stride, precision, conv_impl, relu=False,
   if scale is not None:
     w = w * scale
   xc, wc = _cast(x, p.compute), _cast(w, p.compute)
-  method = fast_conv.choose_method(conv_impl, p.compute, stride, kernel * kernel * in_ch)
+  method = method or fast_conv.choose_method(conv_impl, p.compute, stride,
+                                             kernel * kernel * in_ch)
   return fast_conv.conv2d(xc, wc, _cast(bias, p.compute), stride, method, relu)
 
 
 def conv1(images, channels, kernel, precision=None, conv_impl="custom_grad",
-          official=False):
+          official=False, method=None):
   """Conv1: `channels` kernel x kernel filters, stride 1, ReLU (256 9x9 in the
   paper), turning pixel intensities into local feature activities.
 
   Args:
     images: `[batch, height, width, image_channels]` in [0, 1].
     official: the official code's initialisers (kernel stddev 0.05, bias 0.1).
+    method: the convolution's method from a plan (see `_conv`).
   Returns: `[batch, height - kernel + 1, width - kernel + 1, channels]`, in
     the compute dtype (the input of the PrimaryCaps convolution).
   """
   with tf.compat.v1.variable_scope("conv1"):
     return _conv(images, kernel, channels, 1, precision, conv_impl, relu=True,
-                 initializers=_initializers(official, stddev=0.05))
+                 initializers=_initializers(official, stddev=0.05), method=method)
 
 
 def primary_caps(x, types, dim, kernel, stride, precision=None,
-                 conv_impl="custom_grad", official=False):
+                 conv_impl="custom_grad", official=False, method=None):
   """PrimaryCaps: `types` channels of `dim`-D capsules from one convolution
   (32 types of 8D capsules, 9x9 kernels, stride 2 in the paper: 6x6x32
   capsules on MNIST), each squashed (Eq. 1).
@@ -112,6 +116,7 @@ def primary_caps(x, types, dim, kernel, stride, precision=None,
 
   Args:
     x: `[batch, h, w, channels]` Conv1 output.
+    method: the convolution's method from a plan (see `_conv`).
   Returns:
     u: `[batch, in_caps, dim]` primary capsules, in the variables' dtype,
       `in_caps = out_h * out_w * types`, ordered (row, column, type).
@@ -120,7 +125,7 @@ def primary_caps(x, types, dim, kernel, stride, precision=None,
     p = _precision(precision, x)
     y = _conv(x, kernel, types * dim, stride, p, conv_impl,
               initializers=_initializers(official),
-              scale=1.0 / types if official else None)
+              scale=1.0 / types if official else None, method=method)
     y = _cast(y, p.variables)
     in_caps = y.shape[1] * y.shape[2] * types
     u = tf.reshape(y, [-1, in_caps, dim])           # [b, i, k]

@@ -54,7 +54,9 @@ class ModelConfig:
   recon_weight: float = 0.0005   # scales the *sum* of squared errors
   dtype: str = "float32"         # variables and routing: float32 or float64
   precision: str = "fp32"        # fp32, or bf16: convs and decoder matmuls in bfloat16
-  conv_impl: str = "auto"        # convolutions: auto, custom_grad (fast on CPU) or conv2d
+  conv_impl: str = "auto"        # convolutions: auto (planned), custom_grad, conv2d or dft
+  conv_plan: str = ""            # each convolution's method, measured on the host
+                                 #   ("conv1:M,primary_caps:M"; "": conv_impl's rule)
 
   def __post_init__(self):
     object.__setattr__(self, "decoder_units", tuple(self.decoder_units))
@@ -88,6 +90,7 @@ class ModelConfig:
       if getattr(self, name) not in allowed:
         raise ValueError(f"ModelConfig.{name} must be one of {allowed}, "
                          f"got {getattr(self, name)!r}")
+    fast_conv.parse_plan(self.conv_plan)   # raises ValueError naming the plan
     if self.precision == "bf16" and self.dtype != "float32":
       raise ValueError("ModelConfig.precision='bf16' needs dtype='float32', "
                        f"got dtype={self.dtype!r}")
@@ -169,15 +172,16 @@ def forward(images, labels, cfg, training, digit_caps=layers.digit_caps, device=
                      f"{expected[1]}, {expected[2]}], got shape {images.shape}")
   precision = precision_policy(cfg)
   conv_impl = fast_conv.resolve_impl(cfg.conv_impl, device)
+  plan = fast_conv.parse_plan(cfg.conv_plan)
   official = cfg.capsule_layers == "official"
   images = tf.cast(images, precision.variables)
   labels = tf.cast(labels, tf.int32)
   with tf.compat.v1.variable_scope("capsnet", reuse=tf.compat.v1.AUTO_REUSE):
     x = layers.conv1(images, cfg.conv1_channels, cfg.conv1_kernel, precision,
-                     conv_impl, official)
+                     conv_impl, official, plan.get("conv1"))
     u = layers.primary_caps(x, cfg.primary_types, cfg.primary_dim,
                             cfg.primary_kernel, cfg.primary_stride, precision,
-                            conv_impl, official)      # [b, i, k]
+                            conv_impl, official, plan.get("primary_caps"))  # [b, i, k]
     # (`official` only when set: the benchmark's baseline DigitCaps has none)
     official_caps = {"official": True} if official else {}
     v, couplings, u_hat = digit_caps(u, cfg.num_classes, cfg.digit_dim,

@@ -1,0 +1,272 @@
+"""A plan per host: each convolution's fastest method, measured on the machine.
+
+As FFTW's planner and cuDNN's benchmark mode do: for each convolution of the
+model (Conv1, PrimaryCaps) the candidate methods of `fast_conv` are timed on
+the layer's real shapes, compute dtype and batch (forward and the gradients
+training needs, or the forward alone for inference), and the fastest is
+used. The answer is remembered in a cache file (`cache_path`: a JSON of
+entries keyed by the CPU model and its kernel flags, TensorFlow's version,
+the layer's shapes, dtype, batch and mode), so a second start plans in no
+time. On a GPU there is nothing to plan: TensorFlow's convolution (cuDNN
+plans itself).
+
+A cache that is missing starts empty; one that cannot be read or parsed is
+said in one line and planned afresh (and rewritten); one that cannot be
+written is said in one line and the plan used without caching.
+
+  python -m capsnet.running.planner --precision=bf16   # plan, print, cache
+"""
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+
+from capsnet.model import fast_conv
+from capsnet.running import files
+from capsnet.running import host
+
+CACHE_VERSION = 1
+REPEATS = 3        # timed runs of each candidate (the median counts)
+WARMUP = 1         # untimed runs first (oneDNN builds its kernels)
+
+
+def cache_path():
+  """$CAPSNET_CACHE_DIR, else $XDG_CACHE_HOME/capsnet, else ~/.cache/capsnet;
+  the file conv_plans.json there."""
+  folder = os.environ.get("CAPSNET_CACHE_DIR") or os.path.join(
+      os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
+      "capsnet")
+  return os.path.join(folder, "conv_plans.json")
+
+
+@dataclasses.dataclass(frozen=True)
+class Conv:
+  """One convolution of the model as it is computed: `[batch, h, w, c]` in,
+  `kernel` x `kernel` x c x `channels` weights, `stride`, VALID."""
+  layer: str
+  batch: int
+  height: int
+  width: int
+  in_channels: int
+  kernel: int
+  channels: int
+  stride: int
+  relu: bool
+  input_grad: bool    # training needs the input's gradient (not Conv1's: the images)
+
+
+def convolutions(cfg, batch):
+  """The model's convolutions at this batch (per tower), Conv1 first."""
+  return [Conv("conv1", batch, cfg.image_size, cfg.image_size, cfg.image_channels,
+               cfg.conv1_kernel, cfg.conv1_channels, 1, True, False),
+          Conv("primary_caps", batch, cfg.conv1_size, cfg.conv1_size, cfg.conv1_channels,
+               cfg.primary_kernel, cfg.primary_types * cfg.primary_dim, cfg.primary_stride,
+               False, True)]
+
+
+def compute_dtype(cfg):
+  """The convolutions' compute dtype's name: bfloat16 under bf16, else the
+  variables' dtype."""
+  return "bfloat16" if cfg.precision == "bf16" else cfg.dtype
+
+
+def cache_key(conv, dtype, training):
+  facts = host.describe()
+  return json.dumps({"cpu": facts["cpu"], "flags": facts["flags"],
+                     "tensorflow": facts["tensorflow"], "dtype": dtype,
+                     "training": training, **dataclasses.asdict(conv)}, sort_keys=True)
+
+
+def time_method(conv, method, dtype, training, repeats=REPEATS, warmup=WARMUP):
+  """Median seconds of one run of `method` on `conv`: the forward pass and,
+  for training, the weights' and bias's gradients (and the input's where the
+  layer needs it), in a graph of its own on the CPU.
+
+  The input and weights are variables, not constants, so that grappler
+  folds nothing away that training would compute.
+  """
+  import numpy as np   # pylint: disable=import-outside-toplevel
+  import tensorflow as tf   # pylint: disable=import-outside-toplevel
+  rng = np.random.RandomState(0)
+  dt = tf.as_dtype(dtype)
+  with tf.Graph().as_default():
+    x = tf.Variable(rng.rand(conv.batch, conv.height, conv.width, conv.in_channels)
+                    .astype(np.float32), trainable=False)
+    w = tf.Variable(0.05 * rng.randn(conv.kernel, conv.kernel, conv.in_channels,
+                                     conv.channels).astype(np.float32))
+    b = tf.Variable(np.zeros(conv.channels, np.float32))
+    xc, wc, bc = (tf.cast(t, dt) for t in (x, w, b))
+    y = fast_conv.conv2d(xc, wc, bc, conv.stride, method, conv.relu)
+    if training:
+      wrt = [xc, wc, bc] if conv.input_grad else [wc, bc]
+      grads = tf.gradients(y, wrt, grad_ys=tf.ones_like(y))
+      op = tf.group(*grads)
+    else:
+      op = tf.group(y)
+    with tf.compat.v1.Session() as sess:
+      sess.run(tf.compat.v1.global_variables_initializer())
+      for _ in range(warmup):
+        sess.run(op)
+      times = []
+      for _ in range(repeats):
+        start = time.perf_counter()
+        sess.run(op)
+        times.append(time.perf_counter() - start)
+  return statistics.median(times)
+
+
+class Cache:
+  """The plan cache file: read once, written whole (atomically) or not at all."""
+
+  def __init__(self, path, log):
+    self.path, self.log, self.entries = path, log, {}
+    if not os.path.exists(path):
+      return
+    try:
+      with open(path) as f:
+        data = json.load(f)
+      if data.get("version") != CACHE_VERSION or not isinstance(data.get("entries"), dict):
+        raise ValueError(f"version {data.get('version')!r}, expected {CACHE_VERSION}")
+      self.entries = data["entries"]
+    except (OSError, ValueError, AttributeError) as e:
+      log(f"planner: the plan cache {path} cannot be used ({e}); planning afresh")
+
+  def get(self, key):
+    entry = self.entries.get(key)
+    return entry if isinstance(entry, dict) and entry.get("method") in fast_conv.METHODS else None
+
+  def put(self, key, entry):
+    self.entries[key] = entry
+
+  def save(self):
+    try:
+      os.makedirs(os.path.dirname(self.path), exist_ok=True)
+      files.write_json(self.path, {"version": CACHE_VERSION, "entries": self.entries})
+    except OSError as e:
+      self.log(f"planner: cannot write the plan cache {self.path} "
+               f"({e.strerror or e}); the plan is used without caching")
+
+
+def _say(line):
+  print(line, file=sys.stderr, flush=True)
+
+
+def plan_convolutions(cfg, batch, training, device=None, path=None, log=_say,
+                      timer=time_method):
+  """The fastest method of each convolution, from the cache or measured.
+
+  Args:
+    cfg: the `ModelConfig` (its shapes, precision and dtype).
+    batch: the batch one tower computes.
+    training: time forward and gradients (else the forward alone).
+    device: the model's device; on a GPU every convolution is conv2d.
+    path: the cache file (default `cache_path()`); timer: how a candidate is
+      timed (tests give their own).
+  Returns: (plan string for `ModelConfig.conv_plan`, {layer: {"method",
+    "ms": {method: ms}, "cached": bool}}).
+  """
+  if device is not None and "gpu" in device.lower():
+    methods = dict.fromkeys(fast_conv.LAYERS, "conv2d")
+    return fast_conv.format_plan(methods), {
+        layer: {"method": "conv2d", "ms": {}, "cached": False} for layer in methods}
+  dtype = compute_dtype(cfg)
+  cache = Cache(path or cache_path(), log)
+  report, changed = {}, False
+  for conv in convolutions(cfg, batch):
+    key = cache_key(conv, dtype, training)
+    entry = cache.get(key)
+    if entry is None:
+      ms = {m: round(1e3 * timer(conv, m, dtype, training), 3)
+            for m in fast_conv.candidates(conv.stride)}
+      entry = {"method": min(ms, key=ms.get), "ms": ms}
+      cache.put(key, entry)
+      changed = True
+      report[conv.layer] = dict(entry, cached=False)
+    else:
+      report[conv.layer] = dict(entry, cached=True)
+  if changed:
+    cache.save()
+  methods = {layer: r["method"] for layer, r in report.items()}
+  return fast_conv.format_plan(methods), report
+
+
+def planned_seconds(report):
+  """The planned convolutions' time for one batch, in seconds."""
+  return sum(r["ms"][r["method"]] for r in report.values() if r["ms"]) / 1e3
+
+
+def plan_model(cfg, batch, device=None, recorded=None, replan=False,
+               precision_auto=False, log=_say, path=None, timer=time_method):
+  """The `ModelConfig` a program trains: with its measured `conv_plan` and,
+  for `precision_auto`, the faster precision.
+
+  Nothing is planned (`cfg` returned as it is) for a forced method
+  (`conv_impl` other than "auto") or a given `conv_plan`, in float64 (the
+  exactness mode: the rule's methods), or for a resumed run that recorded a
+  plan or none (`recorded`: its config.json "model"; the same computation
+  continues bit for bit) unless `replan`.
+
+  Args:
+    batch: the batch one tower computes.
+    precision_auto: choose fp32 or bf16 by the planned convolutions' time
+      (95% of the step's FLOPs); else under bf16 say in one line if fp32
+      plans faster (the run still takes bf16: it was asked for).
+  Returns: (cfg, a line that describes the plan, or None).
+  """
+  if cfg.conv_plan or cfg.conv_impl != "auto" or cfg.dtype == "float64":
+    return cfg, None
+  if recorded is not None and not replan:
+    keep = {"conv_plan": recorded.get("conv_plan", "")}
+    if precision_auto:
+      keep["precision"] = recorded.get("precision", "fp32")
+    return dataclasses.replace(cfg, **keep), None
+  plans = {}
+  for precision in (("fp32", "bf16") if precision_auto or cfg.precision == "bf16"
+                    else (cfg.precision,)):
+    plans[precision] = plan_convolutions(dataclasses.replace(cfg, precision=precision),
+                                         batch, True, device, path, log, timer)
+  on_gpu = device is not None and "gpu" in device.lower()
+  if precision_auto:   # on a GPU nothing is timed: fp32
+    faster = planned_seconds(plans["bf16"][1]) < planned_seconds(plans["fp32"][1])
+    cfg = dataclasses.replace(cfg, precision="bf16" if faster else "fp32")
+  elif cfg.precision == "bf16" and not on_gpu:
+    bf16, fp32 = (planned_seconds(plans[p][1]) for p in ("bf16", "fp32"))
+    if bf16 > fp32:
+      log(f"planner: bf16 is slower than fp32 on this CPU ({1e3 * bf16:.0f} against "
+          f"{1e3 * fp32:.0f} ms a batch of {batch} in the planned convolutions; no "
+          "AMX?): --precision=fp32 or auto would train faster")
+  plan, report = plans[cfg.precision]
+  return (dataclasses.replace(cfg, conv_plan=plan),
+          f"planner: {cfg.precision}, {describe(report)}")
+
+
+def describe(report):
+  """One line: each layer's method and its time against the others'."""
+  parts = []
+  for layer, r in report.items():
+    others = ", ".join(f"{m} {t:.1f}" for m, t in sorted(r["ms"].items(), key=lambda x: x[1]))
+    parts.append(f"{layer}: {r['method']}" + (f" ({others} ms)" if others else "")
+                 + (" [cached]" if r["cached"] else ""))
+  return "; ".join(parts)
+
+
+def main():
+  import argparse   # pylint: disable=import-outside-toplevel
+  from capsnet.running import startup   # pylint: disable=import-outside-toplevel
+  startup.import_tensorflow()
+  from capsnet.model import network   # pylint: disable=import-outside-toplevel
+  parser = argparse.ArgumentParser(description="plan the convolutions on this host")
+  parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
+  parser.add_argument("--batch_size", type=int, default=128)
+  parser.add_argument("--inference", action="store_true")
+  args = parser.parse_args()
+  start = time.perf_counter()
+  cfg = network.ModelConfig(precision=args.precision)
+  plan, report = plan_convolutions(cfg, args.batch_size, not args.inference)
+  print(f"{plan}  ({describe(report)}; {time.perf_counter() - start:.1f} s)")
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,174 @@
+"""capsnet.running.planner: the measured plan, its cache, and what a run keeps."""
+import dataclasses
+import json
+import os
+
+import pytest
+
+from capsnet.model import fast_conv
+from capsnet.model import network
+from capsnet.running import planner
+from conftest import QUICK, needs_mnist, train_here, weights_sha256
+
+import tensorflow as tf
+
+SMALL_CFG = network.ModelConfig(conv1_channels=8, primary_types=2, primary_dim=4)
+
+
+def fake_timer(fastest, calls=None):
+  """A timer whose fastest method per layer is `fastest[layer]`; counts calls."""
+  def timer(conv, method, dtype, training):
+    if calls is not None:
+      calls.append((conv.layer, method, dtype, training))
+    return 0.001 if method == fastest[conv.layer] else 0.002
+  return timer
+
+
+def test_plan_is_the_fastest_method_and_a_second_start_reads_the_cache(tmp_path):
+  path, calls, lines = str(tmp_path / "plans.json"), [], []
+  timer = fake_timer({"conv1": "patch_gemm", "primary_caps": "dft"}, calls)
+  plan, report = planner.plan_convolutions(SMALL_CFG, 32, True, path=path,
+                                           log=lines.append, timer=timer)
+  assert plan == "conv1:patch_gemm,primary_caps:dft"
+  assert [c[:2] for c in calls] == [("conv1", m) for m in fast_conv.candidates(1)] + [
+      ("primary_caps", m) for m in fast_conv.candidates(2)]
+  assert report["primary_caps"]["ms"] == {"conv2d": 2.0, "dilated": 2.0, "folded": 2.0,
+                                          "dft": 1.0}
+  assert not report["conv1"]["cached"] and lines == []
+  calls.clear()
+  again, report = planner.plan_convolutions(SMALL_CFG, 32, True, path=path,
+                                            log=lines.append, timer=timer)
+  assert again == plan and calls == [] and report["conv1"]["cached"]
+  # Another batch, dtype or mode is another entry.
+  planner.plan_convolutions(SMALL_CFG, 16, False, path=path, log=lines.append, timer=timer)
+  assert {c[3] for c in calls} == {False} and len(json.load(open(path))["entries"]) == 4
+
+
+def test_real_timer_plans_a_small_model(tmp_path):
+  plan, report = planner.plan_convolutions(SMALL_CFG, 4, True, path=str(tmp_path / "p.json"))
+  methods = fast_conv.parse_plan(plan)
+  assert methods["conv1"] in fast_conv.candidates(1)
+  assert methods["primary_caps"] in fast_conv.candidates(2)
+  assert all(t > 0 for r in report.values() for t in r["ms"].values())
+
+
+@pytest.mark.parametrize("content", ["{not json", json.dumps({"version": 0, "entries": {}}),
+                                     json.dumps([1, 2])])
+def test_corrupt_cache_gives_one_line_and_a_fresh_plan(tmp_path, content):
+  path, lines, calls = tmp_path / "plans.json", [], []
+  path.write_text(content)
+  timer = fake_timer({"conv1": "conv2d", "primary_caps": "folded"}, calls)
+  plan, _ = planner.plan_convolutions(SMALL_CFG, 32, True, path=str(path),
+                                      log=lines.append, timer=timer)
+  assert plan == "conv1:conv2d,primary_caps:folded" and len(calls) == 7
+  assert len(lines) == 1 and lines[0].startswith(f"planner: the plan cache {path} "
+                                                 "cannot be used (")
+  assert lines[0].endswith("); planning afresh")
+  assert json.load(open(path))["version"] == planner.CACHE_VERSION   # rewritten whole
+
+
+def test_cache_that_cannot_be_written_plans_without_caching(tmp_path):
+  folder = tmp_path / "ro"
+  folder.mkdir()
+  os.chmod(folder, 0o500)
+  if os.access(folder, os.W_OK):   # root ignores the mode
+    folder = tmp_path / "file"
+    folder.write_text("a file, not a folder")
+  path, lines = str(folder / "sub" / "plans.json"), []
+  plan, _ = planner.plan_convolutions(SMALL_CFG, 32, True, path=path, log=lines.append,
+                                      timer=fake_timer({"conv1": "dft", "primary_caps": "dft"}))
+  assert plan == "conv1:dft,primary_caps:dft"
+  assert len(lines) == 1 and lines[0].startswith("planner: cannot write the plan cache")
+  assert lines[0].endswith("the plan is used without caching")
+
+
+def test_gpu_plans_conv2d_without_timing(tmp_path):
+  plan, _ = planner.plan_convolutions(SMALL_CFG, 32, True, "/gpu:0",
+                                      path=str(tmp_path / "p.json"), timer=None)
+  assert plan == "conv1:conv2d,primary_caps:conv2d"
+  assert not os.path.exists(tmp_path / "p.json")
+
+
+def test_what_is_planned_and_what_is_kept(tmp_path):
+  path = str(tmp_path / "p.json")
+  timer = fake_timer({"conv1": "patch_gemm", "primary_caps": "dft"})
+  plan = lambda cfg, **kw: planner.plan_model(cfg, 32, path=path, timer=timer,
+                                              log=lambda _: None, **kw)[0]
+  assert plan(SMALL_CFG).conv_plan == "conv1:patch_gemm,primary_caps:dft"
+  for forced in (dataclasses.replace(SMALL_CFG, conv_impl="conv2d"),
+                 dataclasses.replace(SMALL_CFG, dtype="float64"),
+                 dataclasses.replace(SMALL_CFG, conv_plan="conv1:conv2d,primary_caps:conv2d")):
+    assert plan(forced) == forced
+  recorded = {"conv_plan": "conv1:conv2d,primary_caps:folded", "precision": "bf16"}
+  kept = plan(SMALL_CFG, recorded=recorded, precision_auto=True)
+  assert (kept.conv_plan, kept.precision) == ("conv1:conv2d,primary_caps:folded", "bf16")
+  assert plan(SMALL_CFG, recorded={"conv_impl": "auto"}).conv_plan == ""   # older run
+  assert plan(SMALL_CFG, recorded=recorded, replan=True).conv_plan == (
+      "conv1:patch_gemm,primary_caps:dft")
+
+
+def test_precision_auto_takes_the_faster_and_bf16_slower_is_said(tmp_path):
+  def timer(conv, method, dtype, training):   # bf16 three times slower
+    return 0.003 if dtype == "bfloat16" else 0.001
+  lines = []
+  cfg, line = planner.plan_model(SMALL_CFG, 32, path=str(tmp_path / "p.json"),
+                                 precision_auto=True, timer=timer, log=lines.append)
+  assert cfg.precision == "fp32" and line.startswith("planner: fp32, conv1: ")
+  assert lines == []
+  cfg, _ = planner.plan_model(dataclasses.replace(SMALL_CFG, precision="bf16"), 32,
+                              path=str(tmp_path / "p.json"), timer=timer, log=lines.append)
+  assert cfg.precision == "bf16"   # asked for: it still runs
+  assert lines == ["planner: bf16 is slower than fp32 on this CPU (6 against 2 ms a "
+                   "batch of 32 in the planned convolutions; no AMX?): "
+                   "--precision=fp32 or auto would train faster"]
+  fast_bf16 = lambda conv, method, dtype, training: 0.001 if dtype == "bfloat16" else 0.003
+  cfg, _ = planner.plan_model(SMALL_CFG, 32, path=str(tmp_path / "q.json"),
+                              precision_auto=True, timer=fast_bf16, log=lines.append)
+  assert cfg.precision == "bf16"
+
+
+def _write_cache(path, cfg, batch, methods):
+  """A plan cache whose entries for `cfg` name `methods` (training)."""
+  entries = {}
+  for conv in planner.convolutions(cfg, batch):
+    key = planner.cache_key(conv, planner.compute_dtype(cfg), True)
+    entries[key] = {"method": methods[conv.layer], "ms": {methods[conv.layer]: 1.0}}
+  with open(path, "w") as f:
+    json.dump({"version": planner.CACHE_VERSION, "entries": entries}, f)
+
+
+@needs_mnist
+def test_resume_after_a_replanned_cache_continues_bit_for_bit(tmp_path, monkeypatch):
+  """A run plans (from the cache), stops at step 6; the cache then names other
+  methods; the resumed run keeps its recorded plan and ends with the weights
+  of the same run uninterrupted."""
+  monkeypatch.setenv("CAPSNET_CACHE_DIR", str(tmp_path / "cache"))
+  os.makedirs(tmp_path / "cache")
+  flags = [f for f in QUICK if not f.startswith("--conv_impl")] + ["--conv_impl=auto"]
+  cfg = network.ModelConfig(conv1_channels=16, primary_types=4, primary_dim=4,
+                            digit_dim=8, decoder_units=(32,))
+  first = {"conv1": "patch_gemm", "primary_caps": "dft"}
+  _write_cache(planner.cache_path(), cfg, 32, first)
+  stopped, whole = str(tmp_path / "stopped"), str(tmp_path / "whole")
+  proc = train_here(*flags, "--max_steps=6", f"--logdir={stopped}")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "planner: fp32, conv1: patch_gemm" in proc.stdout
+  recorded = json.load(open(os.path.join(stopped, "config.json")))["model"]
+  assert recorded["conv_plan"] == "conv1:patch_gemm,primary_caps:dft"
+  _write_cache(planner.cache_path(), cfg, 32, {"conv1": "conv2d", "primary_caps": "dilated"})
+  proc = train_here(*flags, "--max_steps=12", f"--logdir={stopped}")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "planner:" not in proc.stdout   # kept, not planned
+  assert json.load(open(os.path.join(stopped, "config.json")))["model"]["conv_plan"] == (
+      recorded["conv_plan"])
+  proc = train_here(*flags, "--max_steps=12", f"--logdir={whole}",
+                    f"--conv_plan={recorded['conv_plan']}")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  latest = lambda d: tf.train.latest_checkpoint(os.path.join(d, "latest"))
+  assert latest(stopped).endswith("-12") and latest(whole).endswith("-12")
+  assert weights_sha256(latest(stopped)) == weights_sha256(latest(whole))
+  # --replan measures again (here: reads the changed cache) and records it.
+  proc = train_here(*flags, "--max_steps=13", f"--logdir={stopped}", "--replan")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert json.load(open(os.path.join(stopped, "config.json")))["model"]["conv_plan"] == (
+      "conv1:conv2d,primary_caps:dilated")
