@@ -1,8 +1,11 @@
-"""Evaluates a trained CapsNet on the full test set.
+"""Evaluates a trained CapsNet on the full test set, the validation split or
+the affine test set.
 
   python eval.py --checkpoint logs/run              # best checkpoint of a logdir
   python eval.py --checkpoint logs/run --which=latest
   python eval.py --checkpoint logs/run/best/model.ckpt-21500 --iter_routing=5
+  python eval.py --checkpoint logs/run --split=affine   # capsnet/data/affine.py
+  python eval.py --checkpoint logs/run --split=affine --affine_sweep=0,5,10,45
 
 The graph is rebuilt from the run's config.json; --iter_routing, --precision
 and --dtype override the run's (a dtype the checkpoint does not hold is
@@ -27,6 +30,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import config  # noqa: E402
+from capsnet.data import affine  # noqa: E402
 from capsnet.data import tasks  # noqa: E402
 from capsnet.model import network  # noqa: E402
 from capsnet.running import evaluation  # noqa: E402
@@ -71,6 +75,7 @@ class Settings:
   images: tuple             # with --images: the files to classify
   json: bool
   export_savedmodel: str
+  affine_sweep: tuple       # --split=affine: the sweep's largest rotations
 
 
 def define_flags(fv=flags.FLAGS):
@@ -89,8 +94,14 @@ def define_flags(fv=flags.FLAGS):
                     "variable dtype (must be the checkpoint's)", flag_values=fv)
   flags.DEFINE_integer("iter_routing", None, "override routing iterations",
                        lower_bound=1, flag_values=fv)
-  flags.DEFINE_enum("split", "test", ["test", "validation"], "split to score",
+  flags.DEFINE_enum("split", "test", ["test", "validation", "affine"], "split to "
+                    "score; affine: the affine test set, each test image once "
+                    "rotated, sheared, scaled and shifted in affNIST's ranges at "
+                    "28x28 (not the paper's 40x40 affNIST; docs/short.md)",
                     flag_values=fv)
+  flags.DEFINE_list("affine_sweep", [], "with --split=affine: also score affine "
+                    "sets whose largest rotation is each of these degrees (the "
+                    "other ranges as affNIST's), e.g. 0,5,10,...,45", flag_values=fv)
   flags.DEFINE_integer("batch_size", 500, "evaluation batch size", lower_bound=1,
                        flag_values=fv)
   flags.DEFINE_string("out_dir", None, "output folder", flag_values=fv)
@@ -115,6 +126,7 @@ def define_flags(fv=flags.FLAGS):
 def main(argv, fv=flags.FLAGS):
   values = {f.name: fv[f.name].value for f in dataclasses.fields(Settings)}
   values["images"] = (values["images"], *argv[1:]) if values["images"] else ()
+  values["affine_sweep"] = tuple(values["affine_sweep"])
   s = Settings(**values)
   tf.compat.v1.logging.set_verbosity(tf.compat.v1.logging.ERROR)  # deprecations
   try:
@@ -146,17 +158,36 @@ def main(argv, fv=flags.FLAGS):
 
 def evaluate_split(cfg, ckpt, run_dir, train_settings, s):
   """Scores the test (or validation) split of the run's data set."""
-  dataset = s.dataset or train_settings.get("dataset", "mnist")
-  val_size = train_settings.get("val_size", 5000)
+  dataset = s.dataset or train_settings.get("dataset", tasks.DEFAULT)
+  val_size = train_settings.get("val_size", tasks.VAL_SIZE)
   if s.split == "validation" and not val_size:
     raise runs.RunError(f"--split=validation: {run_dir} was trained with "
                         "--val_size=0, so it has no validation split")
   task = tasks.get(dataset, train_settings.get("multimnist_shift"))
+  sweep = affine_sweep(s)
   splits = task.load(s.data_dir or config.default_data_dir(dataset), val_size, s.download)
+  if s.split == "affine":
+    splits["affine"] = task.affine_split(splits)
+    sweep = [(deg, task.affine_split(splits, deg)) for deg in sweep]
   s = dataclasses.replace(s, dataset=dataset, out_dir=s.out_dir or os.path.join(
       run_dir, f"eval_{os.path.basename(ckpt)}_r{cfg.iter_routing}_{s.split}"))
   make_writable_folder(s.out_dir)
-  evaluate(cfg, ckpt, task, splits[s.split], s)
+  evaluate(cfg, ckpt, task, splits[s.split], s, sweep)
+
+
+def affine_sweep(s):
+  """--affine_sweep's rotations in degrees. Raises: RunError for a value that
+  is not a number in [0, 180] or a sweep without --split=affine."""
+  if s.affine_sweep and s.split != "affine":
+    raise runs.RunError(f"--affine_sweep={','.join(s.affine_sweep)}: needs --split=affine")
+  try:
+    degrees = [float(d) for d in s.affine_sweep]
+  except ValueError:
+    degrees = [-1.0]
+  if any(not 0 <= d <= 180 for d in degrees):
+    raise runs.RunError(f"--affine_sweep={','.join(s.affine_sweep)}: expected "
+                        "rotations in degrees between 0 and 180")
+  return degrees
 
 
 def classify_files(cfg, ckpt, s):
@@ -208,10 +239,15 @@ def make_writable_folder(path):
     raise runs.RunError(f"--out_dir={path}: cannot write there ({e.strerror})") from None
 
 
-def evaluate(cfg, ckpt, task, split, s):
+def evaluate(cfg, ckpt, task, split, s, sweep=()):
   """Scores a split of the `task`'s data, (images, labels) or for MultiMNIST
   (images, labels, targets), with the checkpoint; writes to s.out_dir and
-  prints the report."""
+  prints the report.
+
+  Args:
+    sweep: [(largest rotation in degrees, (images, labels))]: more affine
+      sets, scored with the same weights into results.json's "sweep".
+  """
   out_dir = s.out_dir
   images, labels = split[:2]
   with tf.Graph().as_default():
@@ -231,6 +267,13 @@ def evaluate(cfg, ckpt, task, split, s):
       result = dict(evaluation.summary(res), checkpoint=ckpt, dataset=s.dataset,
                     split=s.split, iter_routing=cfg.iter_routing, weights=weights,
                     routing_uniform_entropy=float(np.log(cfg.num_classes)))
+      if s.split == "affine":
+        result["affine"] = dict(dataclasses.asdict(affine.AFFNIST), seed=affine.SEED,
+                                md5=affine.md5(images))
+        result["sweep"] = [
+            {"max_rotation_deg": deg,
+             "error_percent": evaluation.run(sess, ev, *part)["error_percent"]}
+            for deg, part in sweep]
       files.write_json(os.path.join(out_dir, "results.json"), result)
       write_predictions(os.path.join(out_dir, "predictions.csv"), labels, res,
                         task.two_digits)
@@ -326,6 +369,9 @@ def print_report(result, out_dir):
     print("confusion matrix (rows = label, columns = prediction):")
     for k, row in enumerate(result["confusion"]):
       print(f"  {k}: " + " ".join(f"{x:5d}" for x in row))
+  for row in result.get("sweep", []):
+    print(f"affine, largest rotation {row['max_rotation_deg']:g} degrees: error "
+          f"{row['error_percent']:.2f}%")
   print(f"wrote {out_dir}: " + ", ".join(sorted(os.listdir(out_dir))))
 
 

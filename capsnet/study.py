@@ -28,8 +28,12 @@ against epoch, log scale, a line per run; for MultiMNIST against training
 pairs seen, beside the paper's 5.2%) and, when some variant has r > 1,
 diagnostic.png (the share of W's gradient that flows through the routing
 coefficients, against epoch). --publish=DIR writes the same there and copies
-each run's small files (config.json, metrics.jsonl, diagnostics.jsonl,
-test_results.json) to DIR/<run>/, never its checkpoints.
+each run's small files (`runs.SMALL_FILES`: config.json, metrics.jsonl,
+diagnostics.jsonl, test_results.json, routing.json, host.json and, for the
+short protocol, affine_results.json) to DIR/<run>/, never its checkpoints.
+The short protocol (`--grid=short`, docs/short.md) also scores each finished
+run on the affine test set with the severity sweep, and the shipped weights
+(`--shipped`) once, into <out>/shipped/.
 """
 import io
 import json
@@ -88,9 +92,10 @@ GRIDS = {   # grid: {variant: the train.py flags that make it}
                          dataset="multimnist"),
     },
 }
-VARIANTS = GRIDS["stop_gradient"]
 SMALL_FILES = runs.SMALL_FILES
 LAST_EPOCHS = 10   # the decision rule's late validation figure: mean of the last 10
+AFFINE_SWEEP = tuple(range(0, 50, 5))   # the severity sweep's largest rotations
+SHIPPED = "shipped"   # <out>/shipped/: the shipped weights' affine results
 
 
 def define_flags():
@@ -117,6 +122,13 @@ def define_flags():
   flags.DEFINE_bool("routing", True, "after a run finishes, measure how far "
                     "routing moves the couplings (eval.py on its best checkpoint, "
                     "with its own and the other routing count): routing.json")
+  flags.DEFINE_list("affine_sweep", [str(d) for d in AFFINE_SWEEP], "--grid=short: "
+                    "after a run finishes, score its best checkpoint on the affine "
+                    "test set and on sets of these largest rotations (degrees): "
+                    "affine_results.json; empty: no affine scoring")
+  flags.DEFINE_string("shipped", os.path.join("pretrained", "r3_recon"), "--grid=short: "
+                      "also score this run folder's best checkpoint on the affine "
+                      "sets, into <out>/shipped/ (empty: not)")
 
 
 FLAGS = flags.FLAGS
@@ -172,6 +184,7 @@ def describe_run(folder, epochs):
   epoch_val = [m[key] for m in epoch_rows if key in m]
   diags = run.diagnostics()
   wall = sum(m["wall_s"] for m in epoch_rows if "wall_s" in m)
+  affine = (run.affine_results() if complete else None) or {}
   return {
       "run": os.path.basename(folder), "complete": complete,
       "epochs_done": epoch_rows[-1]["epoch"], "steps": epoch_rows[-1]["step"],
@@ -181,6 +194,11 @@ def describe_run(folder, epochs):
       "test_errors_count": (round(test["error_percent"] * test["count"] / 100)
                             if "count" in test else None),
       "test_at_least_one": test.get("at_least_one"),   # MultiMNIST only
+      "test_margin_loss": test.get("margin_loss_mean"),
+      "affine_error": affine.get("error_percent"),
+      "affine_sweep": [(x["max_rotation_deg"], x["error_percent"])
+                       for x in affine.get("sweep", [])],
+      "host": run.host(),
       "best_val_error": min((m[key] for m in val if key in m), default=None),
       "val_weights": weights,            # whose validation figures these are
       "test_weights": test.get("weights", "raw"),
@@ -235,7 +253,7 @@ def summarize(out, grid, variants, seeds, epochs, schedules=(DEFAULT_DECAY_STEPS
     lasts = [r["last_val_error"] for r in done if r["last_val_error"] is not None]
     spec = GRIDS[grid][name]
     rows.append({
-        "variant": name, "dataset": spec.get("dataset", "mnist"),
+        "variant": name, "dataset": spec.get("dataset", tasks.DEFAULT),
         "iter_routing": spec["iter_routing"],
         "stop_gradient": spec.get("stop_gradient", True),
         "use_decoder": spec.get("use_decoder", True), "decay_steps": decay_steps,
@@ -248,6 +266,7 @@ def summarize(out, grid, variants, seeds, epochs, schedules=(DEFAULT_DECAY_STEPS
         "last_val_error_mean": statistics.mean(lasts) if lasts else None,
         "last_val_error_std": statistics.stdev(lasts) if len(lasts) > 1 else None,
         "images_per_sec": statistics.mean(r["images_per_sec"] for r in runs),
+        "measures": {key: _spread([r[key] for r in done]) for key in MEASURES},
         "diag": {key: tuple(_mean_or_none(r["diag"][key][i] for r in runs)
                             for i in (0, 1))
                  for key in ("digit_caps/weights", "conv1/weights")},
@@ -256,14 +275,34 @@ def summarize(out, grid, variants, seeds, epochs, schedules=(DEFAULT_DECAY_STEPS
   return rows
 
 
+# Per-run figures that summarize() also gives per variant (mean, std).
+MEASURES = ("test_error", "test_margin_loss", "affine_error")
+
+
+def _spread(values):
+  """{"values", "mean", "std"} of the figures that are not None."""
+  values = [v for v in values if v is not None]
+  return {"values": values, "mean": statistics.mean(values) if values else None,
+          "std": statistics.stdev(values) if len(values) > 1 else None}
+
+
 def _mean_or_none(values):
   values = [v for v in values if v is not None]
   return statistics.mean(values) if values else None
 
 
-# The figures a comparison pairs: (run key, what it is).
+# The figures a comparison pairs: (run key, what it is); the short
+# protocol's are its three measures (docs/short.md).
 FIGURES = (("test_error", "test error of the best-validation checkpoint, %"),
            ("last_val_error", f"mean validation error of the last {LAST_EPOCHS} epochs, %"))
+SHORT_FIGURES = (("test_error", "test error, %"),
+                 ("test_margin_loss", "mean test margin loss per example"),
+                 ("affine_error", "affine-test error, %"))
+GRID_FIGURES = {"short": SHORT_FIGURES}
+
+
+def figures_of(grid):
+  return GRID_FIGURES.get(grid, FIGURES)
 
 
 def parse_pairs(specs, variants):
@@ -278,13 +317,14 @@ def parse_pairs(specs, variants):
   return pairs
 
 
-def compare(rows, pairs):
+def compare(rows, pairs, figures=FIGURES):
   """Paired differences B - A by seed, for each figure (the decision rule).
 
   Args:
     rows: `summarize`'s rows; a pair is compared at each decay period that
       both variants have.
     pairs: [(A, B)] variant names.
+    figures: (run key, label) pairs of the figures compared (`figures_of`).
   Returns: one dict per pair and period: a, b, decay_steps, and per figure
     key the `stats.paired_difference` over the complete runs (or None).
   """
@@ -296,7 +336,7 @@ def compare(rows, pairs):
       if name != a or row_b is None:
         continue
       result = {"a": a, "b": b, "decay_steps": decay_steps}
-      for key, _ in FIGURES:
+      for key, _ in figures:
         per_seed = [{x["seed"]: x[key] for x in row["runs"] if x["complete"]}
                     for row in (row_a, row_b)]
         result[key] = stats.paired_difference(*per_seed)
@@ -313,9 +353,10 @@ def _duration(seconds):
   return f"{h} h {m:02d} min" if h else f"{m} min"
 
 
-def markdown(rows, comparisons=()):
+def markdown(rows, comparisons=(), figures=FIGURES):
   """The study's tables: one line per variant, one per run, then the paired
-  comparisons and, where measured, how far routing moves the couplings."""
+  comparisons (of `figures`) and, where measured, how far routing moves the
+  couplings."""
   lines = [
       "| variant | r | decoder | stop_gradient | lr decay every | seeds done "
       "| test error % (mean ± std) | per seed | best val error % | images/s "
@@ -353,7 +394,9 @@ def markdown(rows, comparisons=()):
         one = x["test_at_least_one"]
         cells += [_fmt(x["images_seen"], ",d"), _fmt(None if one is None else 100 * one, ".2f")]
       lines.append("| " + " | ".join(str(c) for c in cells) + " |")
-  lines += _seed_table(rows) + _comparison_table(comparisons) + _routing_table(rows)
+  seed_table = _short_table(rows) if figures == SHORT_FIGURES else _seed_table(rows)
+  lines += (seed_table + _comparison_table(comparisons, figures) + _routing_table(rows)
+            + _affine_table(rows))
   return "\n".join(lines) + "\n"
 
 
@@ -383,26 +426,73 @@ def _seed_table(rows):
   return lines
 
 
-def _comparison_table(comparisons):
+def _short_table(rows):
+  """The short protocol's three measures, per variant over its finished blocks."""
+  if not any(r["seeds"] for r in rows):
+    return []
+  lines = ["", "The three measures over the finished blocks (mean ± sample std; per "
+           "block = seed):", "",
+           "| variant | blocks | test error % | per block | mean test margin loss "
+           "| per block | affine-test error % | per block |",
+           "|---|---|---|---|---|---|---|---|"]
+  for r in rows:
+    done = [x for x in r["runs"] if x["complete"]]
+    cells = [r["variant"], str(len(done))]
+    for key, spec in (("test_error", ".2f"), ("test_margin_loss", ".5f"),
+                      ("affine_error", ".2f")):
+      m = r["measures"][key]
+      cells.append(_fmt(m["mean"], spec) + ("" if m["std"] is None
+                                             else f" ± {format(m['std'], spec)}"))
+      cells.append(", ".join(f"{_fmt(x[key], spec)} ({x['seed']})" for x in done) or "–")
+    lines.append("| " + " | ".join(cells) + " |")
+  return lines
+
+
+def _affine_table(rows):
+  """Each run's affine error against the largest rotation (the sweep)."""
+  swept = [x for r in rows for x in r["runs"] if x.get("affine_sweep")]
+  if not swept:
+    return []
+  degrees = sorted({d for x in swept for d, _ in x["affine_sweep"]})
+  lines = ["", "Severity sweep (descriptive, not part of the decision rule): affine-test "
+           "error % against the largest rotation, the other ranges affNIST's:", "",
+           "| run | " + " | ".join(f"{d:g}°" for d in degrees) + " |",
+           "|---|" + "---|" * len(degrees)]
+  for x in swept:
+    at = dict(x["affine_sweep"])
+    lines.append(f"| {x['run']} | " + " | ".join(_fmt(at.get(d), ".2f") for d in degrees)
+                 + " |")
+  return lines
+
+
+# The format of a figure's differences (the others: +.3f).
+SPECS = {"test_margin_loss": "+.5f"}
+
+
+def _comparison_table(comparisons, figures=FIGURES):
   if not comparisons:
     return []
-  lines = ["", "Paired comparisons, B - A by seed (positive: A has the lower error); "
-           "95% interval mean ± t(0.975, n-1) sd / sqrt(n); called only when it "
-           "excludes zero:", "",
-           "| A | B | lr decay every | figure | seeds | B - A per seed | mean | "
+  short = figures == SHORT_FIGURES
+  unit = "block" if short else "seed"
+  lines = ["", f"Paired comparisons, B - A by {unit} (positive: A has the lower error"
+           + (" or loss" if short else "") + "); 95% interval mean ± t(0.975, n-1) "
+           "sd / sqrt(n); called only when it excludes zero" + (
+               " (nine intervals at 95% each, not corrected for multiplicity)"
+               if short else "") + ":", "",
+           f"| A | B | lr decay every | figure | {unit}s | B - A per {unit} | mean | "
            "95% interval | verdict |", "|---|---|---|---|---|---|---|---|---|"]
   for c in comparisons:
-    for key, label in FIGURES:
-      d = c[key]
+    for key, label in figures:
+      d, spec = c[key], SPECS.get(key, "+.3f")
       per_seed = "–" if d is None else ", ".join(
-          f"{x:+.3f} (seed {s})" for s, x in zip(d["seeds"], d["diffs"]))
+          f"{format(x, spec)} ({unit} {s})" for s, x in zip(d["seeds"], d["diffs"]))
       interval = ("–" if d is None or d["lo"] is None
-                  else f"[{d['lo']:+.3f}, {d['hi']:+.3f}]")
+                  else f"[{format(d['lo'], spec)}, {format(d['hi'], spec)}]")
       lines.append(
           f"| {c['a']} | {c['b']} | {c['decay_steps']} | {label} | "
           f"{0 if d is None else d['n']} | {per_seed} | "
-          f"{'–' if d is None else format(d['mean'], '+.3f')} | {interval} | "
-          f"{stats.verdict(d)} |")
+          f"{'–' if d is None else format(d['mean'], spec)} | {interval} | "
+          f"{stats.verdict(d, spec=spec, within=short)} |")
   return lines
 
 
@@ -536,6 +626,48 @@ def plot_diagnostic(rows, path):
   _save(plt, fig, path)
 
 
+def plot_affine(rows, path):
+  """Affine-test error per variant (x) and block (a line per block)."""
+  plt, _ = _figure()
+  fig, ax = plt.subplots(figsize=(6, 4), dpi=110)
+  names = [r["variant"] for r in rows]
+  seeds = sorted({x["seed"] for r in rows for x in r["runs"]})
+  for k, seed in enumerate(seeds):
+    ys = [next((x["affine_error"] for x in r["runs"] if x["seed"] == seed), None)
+          for r in rows]
+    xs = [i for i, y in enumerate(ys) if y is not None]
+    ax.plot(xs, [ys[i] for i in xs], color=f"C{k}", marker="o", label=f"block {seed}")
+  ax.set_xticks(range(len(names)))
+  ax.set_xticklabels(names)
+  ax.set_ylabel("affine-test error (%)")
+  ax.grid(True, alpha=0.3)
+  ax.legend(fontsize=8)
+  ax.set_title("Affine test set (28x28, affNIST's ranges; not affNIST)", fontsize=10)
+  _save(plt, fig, path)
+
+
+def plot_sweep(rows, shipped, path):
+  """Affine error against the largest rotation: a line per run, and the
+  shipped weights' in black."""
+  plt, _ = _figure()
+  fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
+  for k, r in enumerate(rows):
+    for s, x in enumerate(x for x in r["runs"] if x["affine_sweep"]):
+      ds, es = zip(*x["affine_sweep"])
+      ax.plot(ds, es, color=f"C{k}", linewidth=1, linestyle="-" if s == 0 else "--",
+              label=_label(r) if s == 0 else None)
+  if shipped:
+    ds, es = zip(*shipped)
+    ax.plot(ds, es, color="black", linewidth=1.5, label="shipped r3_recon (50 epochs)")
+  ax.set_xlabel("largest rotation (degrees); shear, scale, shift in affNIST's ranges")
+  ax.set_ylabel("error (%)")
+  ax.set_yscale("log")
+  ax.grid(True, which="both", alpha=0.3)
+  ax.legend(fontsize=8)
+  ax.set_title("Severity sweep (descriptive)", fontsize=10)
+  _save(plt, fig, path)
+
+
 # The paper's MultiMNIST result (Section 6): CapsNet, r = 3, with reconstruction.
 MULTIMNIST_PAPER = (5.2, "paper: 5.2% test error after 60M pairs")
 
@@ -545,11 +677,17 @@ TITLES = {"stop_gradient": "CapsNet on MNIST: routing variants",
           "multimnist": "CapsNet on MultiMNIST (both digits right)"}
 
 
-def report(rows, folder, title=TITLES["stop_gradient"], comparisons=()):
+def report(rows, folder, title=TITLES["stop_gradient"], comparisons=(), figures=FIGURES,
+           shipped=()):
   """results.md, results.json (the rows; with comparisons: {"rows",
-  "comparisons"}) and the plots in `folder`."""
+  "comparisons"}) and the plots in `folder`; with the short protocol's
+  figures also affine.png (affine error per variant and block) and, where
+  swept, affine_sweep.png (beside the `shipped` weights' sweep)."""
   os.makedirs(folder, exist_ok=True)
-  table = markdown(rows, comparisons)
+  table = markdown(rows, comparisons, figures)
+  if shipped:
+    table += ("\nThe shipped weights (pretrained/r3_recon, 50 epochs), same sweep: "
+              + ", ".join(f"{d:g}°: {e:.2f}" for d, e in shipped) + "\n")
   files.atomic_write(os.path.join(folder, "results.md"), table)
   files.write_json(os.path.join(folder, "results.json"),
                    {"rows": rows, "comparisons": comparisons} if comparisons else rows)
@@ -558,6 +696,11 @@ def report(rows, folder, title=TITLES["stop_gradient"], comparisons=()):
     plot(rows, os.path.join(folder, "val_error.png"), title, x=x, reference=reference)
   if any(r["iter_routing"] > 1 for r in rows):
     plot_diagnostic(rows, os.path.join(folder, "diagnostic.png"))
+  if figures == SHORT_FIGURES and any(x["affine_error"] is not None
+                                      for r in rows for x in r["runs"]):
+    plot_affine(rows, os.path.join(folder, "affine.png"))
+  if any(x["affine_sweep"] for r in rows for x in r["runs"]) or shipped:
+    plot_sweep(rows, shipped, os.path.join(folder, "affine_sweep.png"))
   return table
 
 
@@ -637,6 +780,40 @@ def _read_predictions(path):
   return [int(r[1]) for r in rows], [int(r[2]) for r in rows]
 
 
+def measure_affine(folder, sweep, out_folder=None):
+  """affine_results.json of a finished run: eval.py on its best checkpoint,
+  on the affine test set and the sets of the `sweep`'s largest rotations.
+
+  Args:
+    out_folder: where affine_results.json goes (default: the run's folder).
+  Returns: the affine_results.json dict. Exits if eval.py fails.
+  """
+  out_folder = out_folder or folder
+  out_dir = os.path.join(out_folder, "eval_affine")
+  cmd = [sys.executable, os.path.join(ROOT, "eval.py"), f"--checkpoint={folder}",
+         "--split=affine", f"--affine_sweep={','.join(str(d) for d in sweep)}",
+         f"--out_dir={out_dir}", "--num_images=8", "--figure4_images=1"]
+  with open(out_folder.rstrip("/") + ".log", "a") as log:
+    rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+  if rc:
+    sys.exit(f"study: error: eval.py --split=affine on {folder} failed (exit {rc}); "
+             f"see {out_folder.rstrip('/')}.log")
+  with open(os.path.join(out_dir, "results.json")) as f:
+    res = json.load(f)
+  result = {k: res[k] for k in ("checkpoint", "count", "error_percent",
+                                "margin_loss_mean", "iter_routing", "weights", "affine",
+                                "sweep")}
+  runs.RunFolder(out_folder).write_affine_results(result)
+  return result
+
+
+def shipped_sweep(out):
+  """The shipped weights' affine sweep [(degrees, error %)] from
+  <out>/shipped/affine_results.json, or []."""
+  res = runs.RunFolder(os.path.join(out, SHIPPED)).affine_results() or {}
+  return [(x["max_rotation_deg"], x["error_percent"]) for x in res.get("sweep", [])]
+
+
 def routing_summary(own, other):
   """routing.json from two (eval.py results.json, (labels, predictions)).
 
@@ -680,8 +857,13 @@ def main(argv):
                                           "val_every")}
   try:
     pairs = parse_pairs(FLAGS.compare, grid)
+    sweep = [float(d) for d in FLAGS.affine_sweep]
   except ValueError as e:
     sys.exit(f"study: error: {e}")
+  if any(not 0 <= d <= 180 for d in sweep):
+    sys.exit(f"study: error: --affine_sweep={','.join(FLAGS.affine_sweep)}: expected "
+             "rotations in degrees between 0 and 180")
+  sweep = [int(d) if d == int(d) else d for d in sweep]
   seeds = range(FLAGS.first_seed, FLAGS.first_seed + FLAGS.seeds)
   os.makedirs(FLAGS.out, exist_ok=True)
   for seed, decay_steps, name in ((s, d, n) for s in seeds for d in schedules
@@ -691,18 +873,35 @@ def main(argv):
       print(f"{os.path.basename(folder)}: complete, skipped")
     elif FLAGS.train:
       run_one(grid[name], seed, folder, dict(settings, decay_steps=decay_steps), extra)
-    if (FLAGS.routing and is_complete(folder, FLAGS.epochs)
-        and not tasks.get(grid[name].get("dataset", "mnist")).two_digits
-        and runs.RunFolder(folder).routing() is None
-        and os.path.isdir(os.path.join(folder, "best"))):
+    scored = (is_complete(folder, FLAGS.epochs)
+              and os.path.isdir(os.path.join(folder, "best")))
+    if (FLAGS.routing and scored
+        and not tasks.get(grid[name].get("dataset", tasks.DEFAULT)).two_digits
+        and runs.RunFolder(folder).routing() is None):
       print(f"{os.path.basename(folder)}: measuring routing", flush=True)
       measure_routing(folder, grid[name]["iter_routing"])
+    if (FLAGS.grid == "short" and sweep and scored
+        and runs.RunFolder(folder).affine_results() is None):
+      print(f"{os.path.basename(folder)}: scoring the affine test set", flush=True)
+      measure_affine(folder, sweep)
+  shipped = os.path.join(FLAGS.out, SHIPPED)
+  if (FLAGS.grid == "short" and sweep and FLAGS.shipped
+      and runs.RunFolder(shipped).affine_results() is None):
+    print(f"{FLAGS.shipped}: scoring the affine test set", flush=True)
+    os.makedirs(shipped, exist_ok=True)
+    measure_affine(FLAGS.shipped, sweep, shipped)
   rows = summarize(FLAGS.out, FLAGS.grid, variants, seeds, FLAGS.epochs, schedules)
-  comparisons = compare(rows, pairs)
-  table = report(rows, FLAGS.out, TITLES[FLAGS.grid], comparisons)
+  figures = figures_of(FLAGS.grid)
+  comparisons = compare(rows, pairs, figures)
+  reference = shipped_sweep(FLAGS.out)
+  table = report(rows, FLAGS.out, TITLES[FLAGS.grid], comparisons, figures, reference)
   if FLAGS.publish:
-    report(rows, FLAGS.publish, TITLES[FLAGS.grid], comparisons)
+    report(rows, FLAGS.publish, TITLES[FLAGS.grid], comparisons, figures, reference)
     publish(FLAGS.out, rows, FLAGS.publish)
+    if reference:
+      os.makedirs(os.path.join(FLAGS.publish, SHIPPED), exist_ok=True)
+      shutil.copyfile(runs.RunFolder(shipped).file(runs.AFFINE_RESULTS_FILE),
+                      os.path.join(FLAGS.publish, SHIPPED, runs.AFFINE_RESULTS_FILE))
   print(table)
 
 

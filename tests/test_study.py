@@ -133,7 +133,7 @@ def test_table1_grid_commands_and_schedules(tmp_path):
       "diagnostic.png", "r3_recon_decay143_seed0", "r3_recon_seed0", "results.json",
       "results.md", "val_error.png"]
   assert sorted(os.listdir(os.path.join(published, "r3_recon_seed0"))) == sorted(
-      set(study.SMALL_FILES) - {"routing.json", "host.json"})   # a fake run has neither
+      set(study.SMALL_FILES) - {"routing.json", "host.json", "affine_results.json"})
 
 
 @pytest.mark.integration
@@ -314,3 +314,49 @@ def test_averaged_weights_figures(tmp_path):
   for r in rows:
     r["val_error_percent_averaged"] = 1.0 if r is rows[0] else 2.0
   assert study._better_weights(rows) == "raw"       # a tie: the later epochs
+
+
+def test_short_protocol_tables_compare_its_three_measures(tmp_path):
+  """--grid=short: per variant the three measures over blocks, the paired
+  table of each (margin loss to 5 decimals, "within [lo, hi]" wording), the
+  severity sweep, and the affine plots."""
+  out = str(tmp_path)
+  figures = {"r3_recon": [(1.00, 0.0200, 3.0), (1.10, 0.0210, 3.2), (1.05, 0.0205, 3.1)],
+             "r3_recon_nostop": [(1.20, 0.0230, 3.1), (1.25, 0.0240, 3.3),
+                                 (1.30, 0.0236, 3.0)]}
+  for variant, per_seed in figures.items():
+    for seed, (test, margin, aff) in enumerate(per_seed):
+      folder = study.run_dir(out, variant, seed, 14)
+      fake_run(folder, test, [2.0, 1.5], [0.1], epochs=5)
+      with open(os.path.join(folder, "test_results.json"), "w") as f:
+        json.dump({"error_percent": test, "count": 10000, "margin_loss_mean": margin}, f)
+      with open(os.path.join(folder, "affine_results.json"), "w") as f:
+        json.dump({"error_percent": aff, "count": 10000,
+                   "sweep": [{"max_rotation_deg": d, "error_percent": aff * (1 + d / 20)}
+                             for d in (0, 20, 45)]}, f)
+  rows = study.summarize(out, "short", ["r3_recon", "r3_recon_nostop"], range(3), 5, (14,))
+  stop, nostop = rows
+  np.testing.assert_allclose(stop["measures"]["affine_error"]["values"], [3.0, 3.2, 3.1])
+  assert stop["measures"]["test_margin_loss"]["mean"] == pytest.approx(0.0205)
+  pairs = study.parse_pairs(["r3_recon:r3_recon_nostop"], study.GRIDS["short"])
+  comparisons = study.compare(rows, pairs, study.figures_of("short"))
+  (c,) = comparisons
+  assert c["test_error"]["called"] and c["test_margin_loss"]["called"]
+  assert not c["affine_error"]["called"]
+  np.testing.assert_allclose(c["affine_error"]["diffs"], [0.1, 0.1, -0.1], atol=1e-9)
+  table = study.markdown(rows, comparisons, study.figures_of("short"))
+  assert ("| r3_recon | 3 | 1.05 ± 0.05 | 1.00 (0), 1.10 (1), 1.05 (2) | 0.02050 ± "
+          "0.00050 | 0.02000 (0), 0.02100 (1), 0.02050 (2) | 3.10 ± 0.10 | 3.00 (0), "
+          "3.20 (1), 3.10 (2) |") in table
+  assert ("| r3_recon | r3_recon_nostop | 14 | mean test margin loss per example | 3 | "
+          "+0.00300 (block 0), +0.00300 (block 1), +0.00310 (block 2) | +0.00303 |") in table
+  assert "| affine-test error, % | 3 |" in table
+  lo, hi = c["affine_error"]["lo"], c["affine_error"]["hi"]
+  assert f"| within [{lo:+.3f}, {hi:+.3f}] |" in table
+  assert "| r3_recon_decay14_seed0 | 3.00 | 6.00 | 9.75 |" in table   # the sweep
+  shipped = [(0, 0.7), (20, 1.7), (45, 8.4)]
+  table = study.report(rows, str(tmp_path / "report"), study.TITLES["short"], comparisons,
+                       study.figures_of("short"), shipped)
+  assert "The shipped weights (pretrained/r3_recon, 50 epochs), same sweep: 0°: 0.70" in table
+  assert {"affine.png", "affine_sweep.png", "val_error.png"} <= set(
+      os.listdir(tmp_path / "report"))

@@ -1,5 +1,5 @@
 """A task per data set, chosen once from --dataset: its splits, its training
-and evaluation pipelines (one `data.Pipeline` type), the feed of an epoch,
+and evaluation pipelines (one `mnist.Pipeline` type), the feed of an epoch,
 the fixed batch of the gradient diagnostic and whether an image holds one
 digit or two. The programs ask the task; no other module compares data set
 names (but config.py, which maps the flags to a task) or guesses from a
@@ -53,6 +53,23 @@ class Digits:
     """The gradient diagnostic's batch: the first 32 training images."""
     return tuple(a[:32] for a in splits["train"])
 
+  def affine_split(self, splits, max_rotation_deg=None):
+    """(images, labels) of the affine test set (`affine`), made from the test
+    split; `max_rotation_deg`: another largest rotation, the other ranges
+    affNIST's (the severity sweep; not md5-checked). MNIST only.
+
+    Raises: ValueError for another data set.
+    """
+    if self.name != "mnist":
+      raise ValueError(f"--split=affine: the affine test set is made from MNIST's test "
+                       f"images, not from --dataset={self.name}'s")
+    affine = _module("affine")
+    images, labels = splits["test"]
+    if max_rotation_deg is None:
+      return affine.test_set(images), labels
+    ranges = affine.Ranges(**dict(vars(affine.AFFNIST), rotation_deg=max_rotation_deg))
+    return affine.make(images, ranges)[0], labels
+
 
 class DigitPairs:
   """MultiMNIST: two overlapping MNIST digits an image (Section 6), each
@@ -91,6 +108,13 @@ class DigitPairs:
     """The first 32 validation pairs (fixed, unlike the training pairs)."""
     return tuple(a[:32] for a in splits["validation"])
 
+  def affine_split(self, splits, max_rotation_deg=None):
+    raise ValueError("--split=affine: the affine test set holds one digit an image; "
+                     "--dataset=multimnist has two")
+
+
+DEFAULT = "mnist"   # the data set of a run that does not name one
+VAL_SIZE = 5000     # validation images held out from the end of the training file
 
 TASKS = {"mnist": lambda _: Digits("mnist"),
          "fashion_mnist": lambda _: Digits("fashion_mnist"),

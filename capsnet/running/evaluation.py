@@ -29,7 +29,7 @@ def build(cfg, batch_size, device=None, task=None, routing_stats=False):
   placeholders to feed at `iterator.initializer`, `batch_images` the current
   batch's images, `routing` the per-example routing figures or None.
   """
-  task = task or tasks.get("mnist")
+  task = task or tasks.get(tasks.DEFAULT)
   pipe = task.eval_pipeline([cfg.image_size, cfg.image_size, cfg.image_channels],
                             batch_size)
   batch_images, batch_labels, batch_targets = pipe.batch

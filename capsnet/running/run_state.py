@@ -81,7 +81,7 @@ class RunState:
   def save(self, sess, saver, folder, pos):
     """Writes `pos` into the variables, then a checkpoint into `folder`."""
     sess.run(self._assign, {self._feeds[k]: getattr(pos, k) for k in self._vars})
-    return saver.save(sess, os.path.join(folder, "model.ckpt"), self.global_step,
+    return saver.save(sess, os.path.join(folder, runs.CHECKPOINT_PREFIX), self.global_step,
                       write_meta_graph=False)
 
 

@@ -10,6 +10,8 @@
   test_results.json  the best checkpoint scored on the test set, at the end
   routing.json       how far routing moves the couplings (capsnet.study)
   host.json          the machine and code a study run trained on (capsnet.study)
+  affine_results.json  the best checkpoint scored on the affine test set, with
+                     the severity sweep (capsnet.study --grid=short)
   train.lock         held by the one trainer writing the folder
 
 `RunFolder` writes and reads all of it (train.py, eval.py, capsnet.study,
@@ -39,10 +41,12 @@ DIAGNOSTICS_FILE = "diagnostics.jsonl"
 TEST_RESULTS_FILE = "test_results.json"
 ROUTING_FILE = "routing.json"
 HOST_FILE = "host.json"
+AFFINE_RESULTS_FILE = "affine_results.json"
 # What a study publishes of a run (never its checkpoints).
 SMALL_FILES = (CONFIG_FILE, METRICS_FILE, DIAGNOSTICS_FILE, TEST_RESULTS_FILE,
-               ROUTING_FILE, HOST_FILE)
+               ROUTING_FILE, HOST_FILE, AFFINE_RESULTS_FILE)
 CHECKPOINT_FOLDERS = ("latest", "best")
+CHECKPOINT_PREFIX = "model.ckpt"   # <folder>/model.ckpt-<step>.index, ...
 
 
 def _tf():
@@ -250,6 +254,13 @@ class RunFolder:
     """routing.json, or None."""
     return _read_json(self.file(ROUTING_FILE))
 
+  def write_affine_results(self, result):
+    files.write_json(self.file(AFFINE_RESULTS_FILE), result)
+
+  def affine_results(self):
+    """affine_results.json, or None."""
+    return _read_json(self.file(AFFINE_RESULTS_FILE))
+
   def record_host(self, facts):
     """host.json: `facts` (the machine, the code) as {"started": facts}; a
     later start on another machine or code is added to "resumed"."""
@@ -276,38 +287,70 @@ LOCK_FILE = "train.lock"
 
 
 class RunLock:
-  """This process as the one writer of a run folder (`RunFolder.lock`)."""
+  """This process as the one writer of a run folder (`RunFolder.lock`).
+
+  The lock file is never unlinked while another process may hold it open
+  unnoticed: after its flock a process checks that the path still names the
+  file it locked (a file unlinked by a refused start in between is not the
+  folder's lock any more) and locks the path again if not.
+  """
 
   def __init__(self, logdir):
     self.logdir = logdir
     self.created = not os.path.exists(logdir)
     os.makedirs(logdir, exist_ok=True)
     self.path = os.path.join(logdir, LOCK_FILE)
-    self._file = open(self.path, "a+")
-    try:
-      fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-      self._file.seek(0)
-      holder = self._file.read().strip() or "another process"
-      self._file.close()
-      raise RunError(f"--logdir={logdir} is in use by {holder}: one trainer a run "
-                     "folder; wait for it to end or stop it (it saves on SIGTERM)") from None
+    while True:
+      self._existed = os.path.exists(self.path)
+      self._file = open(self.path, "a+b")
+      try:
+        fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+      except BlockingIOError:
+        self._file.seek(0)
+        holder = self._file.read().decode(errors="replace").strip() or "another process"
+        self._file.close()
+        raise RunError(f"--logdir={logdir} is in use by {holder}: one trainer a run "
+                       "folder; wait for it to end or stop it (it saves on SIGTERM)") from None
+      if self._still_the_lock_file():
+        break
+      self._file.close()   # unlinked (or replaced) since it was opened: again
+    # What was there before, for a start that is refused (`release(undo=True)`).
+    self._file.seek(0)
+    self._before = self._file.read()
+    stat = os.fstat(self._file.fileno())
+    self._before_times = (stat.st_atime_ns, stat.st_mtime_ns)
     self._file.seek(0)
     self._file.truncate()
     started = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
-    self._file.write(f"pid {os.getpid()} on {socket.gethostname()}, started {started}\n")
+    self._file.write(f"pid {os.getpid()} on {socket.gethostname()}, "
+                     f"started {started}\n".encode())
     self._file.flush()
+
+  def _still_the_lock_file(self):
+    try:
+      return os.path.samestat(os.fstat(self._file.fileno()), os.stat(self.path))
+    except FileNotFoundError:
+      return False
 
   def release(self, undo=False):
     """Releases the lock (again: nothing). undo: a run that did not start
-    leaves nothing: the lock file goes, and the folder if this lock made it
-    and it is empty."""
+    leaves the folder as it found it: a lock file that was there (a finished
+    run's) gets its bytes and times back; one this start made goes (while
+    still locked, so that whoever opened it meanwhile sees it is gone), and
+    the folder too if this lock made it and it is empty."""
     if self._file.closed:
       return
     if undo:
-      os.remove(self.path)
-      if self.created and not os.listdir(self.logdir):
-        os.rmdir(self.logdir)
+      if self._existed:
+        self._file.seek(0)
+        self._file.truncate()
+        self._file.write(self._before)
+        self._file.flush()
+        os.utime(self._file.fileno(), ns=self._before_times)
+      else:
+        os.remove(self.path)
+        if self.created and not os.listdir(self.logdir):
+          os.rmdir(self.logdir)
     self._file.close()   # closing the file drops the flock
 
 
@@ -429,7 +472,7 @@ def checkpoints_in(folder):
       found.add(path if os.path.isabs(path) else os.path.join(folder, path))
   if os.path.isdir(folder):
     for name in os.listdir(folder):
-      if name.startswith("model.ckpt-") and name.endswith(".index"):
+      if name.startswith(CHECKPOINT_PREFIX + "-") and name.endswith(".index"):
         found.add(os.path.join(folder, name[:-len(".index")]))
   good = [p for p in found if p.rsplit("-", 1)[1].isdigit()]
   return sorted(good, key=step_of)

@@ -73,13 +73,21 @@ def paired_difference(a, b, level=0.95):
   return result
 
 
-def verdict(d, unit="points"):
-  """The decision rule's sentence for a `paired_difference` result."""
+def verdict(d, unit="points", spec="+.3f", within=False):
+  """The decision rule's sentence for a `paired_difference` result.
+
+  Args:
+    spec: the format of the figures.
+    within: an interval that holds zero reads "within [lo, hi]" (the short
+      protocol's wording, docs/short.md).
+  """
   if d is None:
     return "no paired seeds"
   if d["lo"] is None:
-    return f"one seed pair ({d['mean']:+.3f} {unit}): no interval"
-  interval = f"[{d['lo']:+.3f}, {d['hi']:+.3f}]"
+    return f"one seed pair ({format(d['mean'], spec)} {unit}): no interval"
+  interval = f"[{format(d['lo'], spec)}, {format(d['hi'], spec)}]"
   if d["called"]:
-    return f"called: {d['mean']:+.3f} {unit}, 95% interval {interval}"
+    return f"called: {format(d['mean'], spec)} {unit}, 95% interval {interval}"
+  if within:
+    return f"within {interval}"
   return f"not measurable at this budget: the interval is {interval}"
