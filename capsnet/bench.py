@@ -180,7 +180,7 @@ def _step_graph(variant, precision, mode, settings, conv="custom_grad"):
   return cfg, _build(variant, cfg, images, labels, mode == "train"), planning
 
 
-def _measure(variant, precision, mode, settings, queue, conv="custom_grad"):
+def _measure(variant, precision, mode, settings, conv, queue):
   """Child process: time one configuration, put a result dict on `queue`."""
   tf = _child_tensorflow()
   batch = settings["batch_size"]
@@ -301,8 +301,9 @@ def _measure_layers(precision, settings, queue):
   conv = planner.convolutions(cfg, settings["batch_size"])[1]
   dtype = planner.compute_dtype(cfg)
   queue.put({"mode": "layers", "precision": precision, "layer": conv.layer,
-             "ms": {m: 1e3 * planner.time_method(conv, m, dtype, True, repeats=5)
-                    for m in fast_conv.candidates(conv.stride)},
+             "ms": {m: 1e3 * t for m, t in planner.time_methods(
+                 conv, fast_conv.candidates(conv.stride), dtype, True, repeats=5,
+                 warmup=2).items()},
              "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024})
 
 

@@ -17,10 +17,13 @@ SMALL_CFG = network.ModelConfig(conv1_channels=8, primary_types=2, primary_dim=4
 
 def fake_timer(fastest, calls=None):
   """A timer whose fastest method per layer is `fastest[layer]`; counts calls."""
-  def timer(conv, method, dtype, training):
-    if calls is not None:
-      calls.append((conv.layer, method, dtype, training))
-    return 0.001 if method == fastest[conv.layer] else 0.002
+  def timer(conv, methods, dtype, training):
+    out = {}
+    for method in methods:
+      if calls is not None:
+        calls.append((conv.layer, method, dtype, training))
+      out[method] = 0.001 if method == fastest[conv.layer] else 0.002
+    return out
   return timer
 
 
@@ -108,8 +111,8 @@ def test_what_is_planned_and_what_is_kept(tmp_path):
 
 
 def test_precision_auto_takes_the_faster_and_bf16_slower_is_said(tmp_path):
-  def timer(conv, method, dtype, training):   # bf16 three times slower
-    return 0.003 if dtype == "bfloat16" else 0.001
+  def timer(conv, methods, dtype, training):   # bf16 three times slower
+    return {m: 0.003 if dtype == "bfloat16" else 0.001 for m in methods}
   lines = []
   cfg, line = planner.plan_model(SMALL_CFG, 32, path=str(tmp_path / "p.json"),
                                  precision_auto=True, timer=timer, log=lines.append)
@@ -121,7 +124,8 @@ def test_precision_auto_takes_the_faster_and_bf16_slower_is_said(tmp_path):
   assert lines == ["planner: bf16 is slower than fp32 on this CPU (6 against 2 ms a "
                    "batch of 32 in the planned convolutions; no AMX?): "
                    "--precision=fp32 or auto would train faster"]
-  fast_bf16 = lambda conv, method, dtype, training: 0.001 if dtype == "bfloat16" else 0.003
+  fast_bf16 = lambda conv, methods, dtype, training: {
+      m: 0.001 if dtype == "bfloat16" else 0.003 for m in methods}
   cfg, _ = planner.plan_model(SMALL_CFG, 32, path=str(tmp_path / "q.json"),
                               precision_auto=True, timer=fast_bf16, log=lines.append)
   assert cfg.precision == "bf16"
