@@ -37,3 +37,27 @@ def test_shipped_weights_make_the_readme_number_of_test_errors():
   assert errors == TEST_ERRORS
   readme = open(os.path.join(ROOT, "README.md")).read()
   assert f"{errors} errors on the 10,000 test images" in readme
+
+
+AFFINE_ERRORS = 174   # `python eval.py --checkpoint pretrained/r3_recon --split=affine`
+
+
+@needs_mnist
+@pytest.mark.skipif(not os.path.exists(os.path.join(PRETRAINED, "config.json")),
+                    reason="no shipped weights")
+@pytest.mark.integration
+def test_shipped_weights_make_the_readme_number_of_affine_test_errors():
+  from capsnet.data import tasks
+  ckpt, run = runs.resolve(PRETRAINED, "best")
+  cfg = runs.load_config(run)[0]
+  splits = {"test": mnist.load("mnist", MNIST, 5000, download_missing=False)["test"]}
+  images, labels = tasks.get("mnist").affine_split(splits)
+  with tf.Graph().as_default():
+    ev = evaluation.build(cfg, 500)
+    with tf.compat.v1.Session() as sess:
+      tf.compat.v1.train.Saver().restore(sess, ckpt)
+      result = evaluation.run(sess, ev, images, labels)
+  errors = int((result["predictions"] != labels).sum())
+  assert errors == AFFINE_ERRORS
+  readme = open(os.path.join(ROOT, "README.md")).read()
+  assert f"--split=affine   # {errors} errors, {errors / 100:.2f}%" in readme
