@@ -16,22 +16,28 @@ PRETRAINED = os.path.join(ROOT, "pretrained", "r3_recon")
 TEST_ERRORS = 38   # `python eval.py --checkpoint pretrained/r3_recon` (README)
 
 
-@needs_mnist
-@pytest.mark.skipif(not os.path.exists(os.path.join(PRETRAINED, "config.json")),
-                    reason="no shipped weights")
-@pytest.mark.integration
-def test_shipped_weights_make_the_readme_number_of_test_errors():
+def _shipped_result(images, labels):
+  """evaluation.run of the shipped weights on (images, labels), in float32
+  as their config.json says."""
   ckpt, run = runs.resolve(PRETRAINED, "best")
   assert runs.damage(ckpt) is None
   cfg = runs.load_config(run)[0]
   assert cfg.precision == "fp32"
-  images, labels = mnist.load("mnist", MNIST, 5000, download_missing=False)["test"]
   with tf.Graph().as_default():
     ev = evaluation.build(cfg, 500)
     runs.check_matches(ckpt, tf.compat.v1.global_variables())
     with tf.compat.v1.Session() as sess:
       tf.compat.v1.train.Saver().restore(sess, ckpt)
-      result = evaluation.run(sess, ev, images, labels)
+      return evaluation.run(sess, ev, images, labels)
+
+
+@needs_mnist
+@pytest.mark.skipif(not os.path.exists(os.path.join(PRETRAINED, "config.json")),
+                    reason="no shipped weights")
+@pytest.mark.integration
+def test_shipped_weights_make_the_readme_number_of_test_errors():
+  images, labels = mnist.load("mnist", MNIST, 5000, download_missing=False)["test"]
+  result = _shipped_result(images, labels)
   errors = int((result["predictions"] != labels).sum())
   assert result["count"] == 10000
   assert errors == TEST_ERRORS
@@ -48,15 +54,9 @@ AFFINE_ERRORS = 174   # `python eval.py --checkpoint pretrained/r3_recon --split
 @pytest.mark.integration
 def test_shipped_weights_make_the_readme_number_of_affine_test_errors():
   from capsnet.data import tasks
-  ckpt, run = runs.resolve(PRETRAINED, "best")
-  cfg = runs.load_config(run)[0]
   splits = {"test": mnist.load("mnist", MNIST, 5000, download_missing=False)["test"]}
   images, labels = tasks.get("mnist").affine_split(splits)
-  with tf.Graph().as_default():
-    ev = evaluation.build(cfg, 500)
-    with tf.compat.v1.Session() as sess:
-      tf.compat.v1.train.Saver().restore(sess, ckpt)
-      result = evaluation.run(sess, ev, images, labels)
+  result = _shipped_result(images, labels)
   errors = int((result["predictions"] != labels).sum())
   assert errors == AFFINE_ERRORS
   readme = open(os.path.join(ROOT, "README.md")).read()
