@@ -15,6 +15,7 @@ from capsnet.data import multimnist
 from capsnet.data import tasks
 from capsnet.model import network
 from capsnet.running import cluster_spec
+from capsnet.running import schedule
 from capsnet.running import runs
 
 DATASETS = sorted(tasks.TASKS)
@@ -115,14 +116,14 @@ def define_train_flags():
   flags.DEFINE_integer("epochs", 50, "training epochs", lower_bound=1)
   flags.DEFINE_integer("max_steps", 0, "stop after this many global steps "
                        "(0: no limit; for smoke tests)", lower_bound=0)
-  flags.DEFINE_integer("batch_size", 128, "training batch size (all towers)",
+  flags.DEFINE_integer("batch_size", schedule.BATCH_SIZE, "training batch size (all towers)",
                        lower_bound=1)
   flags.DEFINE_integer("eval_batch_size", 500, "batch size for validation/test",
                        lower_bound=1)
-  flags.DEFINE_float("learning_rate", 0.001, "Adam learning rate", lower_bound=0)
-  flags.DEFINE_integer("decay_steps", 2000, "learning-rate decay period (steps)",
+  flags.DEFINE_float("learning_rate", schedule.LEARNING_RATE, "Adam learning rate", lower_bound=0)
+  flags.DEFINE_integer("decay_steps", schedule.DECAY_STEPS, "learning-rate decay period (steps)",
                        lower_bound=1)
-  flags.DEFINE_float("decay_rate", 0.96, "learning-rate decay factor per period",
+  flags.DEFINE_float("decay_rate", schedule.DECAY_RATE, "learning-rate decay factor per period",
                      lower_bound=0)
   flags.DEFINE_float("ema_decay", 0.0, "weight averaging: decay of an exponential "
                      "moving average of the model variables, scored beside the raw "
@@ -189,8 +190,8 @@ def model_config_from_flags(values):
     ValueError: a value the config rejects; the message names the field.
   """
   kwargs = {}
-  if values["dataset"].value == "multimnist" and not values["image_size"].present:
-    kwargs["image_size"] = multimnist.CANVAS
+  if not values["image_size"].present:   # the data set's
+    kwargs["image_size"] = tasks.get(values["dataset"].value).image_size
   for field in dataclasses.fields(network.ModelConfig):
     if field.name in kwargs:
       continue
@@ -291,21 +292,14 @@ class Settings:
     """The part of the settings that config.json keeps."""
     return {k: getattr(self, k) for k in RECORDED_SETTINGS}
 
-  def check_logdir(self, cfg, logdir=None):
-    """Refuses a logdir (--logdir unless given) that is a file, cannot be
-    written, has checkpoints but no config.json (unless --adopt_checkpoints),
-    or whose config.json disagrees with `cfg` or these settings (but for
-    MAY_CHANGE_ON_RESUME). Writes nothing.
-
-    Raises: ValueError naming the path, or the file and the first differing
-    field.
-    """
-    folder = runs.RunFolder(logdir or self.logdir)
-    folder.check_writable()
-    self.check_resume(folder, cfg)
-
   def check_resume(self, folder, cfg):
-    """`check_logdir` but for the writable check (a locked folder is writable)."""
+    """Refuses a run folder (a `runs.RunFolder`) that has checkpoints but no
+    config.json (unless --adopt_checkpoints), or whose config.json disagrees
+    with `cfg` or these settings (but for MAY_CHANGE_ON_RESUME). Writes
+    nothing.
+
+    Raises: ValueError naming the file and the first differing field.
+    """
     folder.check_resume(dataclasses.asdict(cfg), self.recorded(),
                         may_change=MAY_CHANGE_ON_RESUME,
                         setting_defaults=SETTING_DEFAULTS, adopt=self.adopt_checkpoints)
@@ -355,17 +349,32 @@ def settings_from_flags(values):
   kwargs = {name: values[name].value for name in names}
   kwargs["cluster"] = cluster_from_flags(values)
   kwargs["workers"] = cluster_spec.num_workers(kwargs["cluster"])
-  if kwargs["cluster"] and kwargs["dataset"] == "multimnist":
-    raise ValueError("--dataset=multimnist does not run on a cluster yet")
-  if kwargs["cluster"] and kwargs["ema_decay"]:
-    raise ValueError(f"--ema_decay={kwargs['ema_decay']}: weight averaging does not "
-                     "run on a cluster yet; use --ema_decay=0 there")
+  check_cluster(kwargs["cluster"], kwargs["dataset"], kwargs["ema_decay"],
+                values["precision"].value)
   kwargs["device"] = resolve_device(kwargs["device"], "train.py")
   kwargs["data_dir"] = kwargs["data_dir"] or default_data_dir(kwargs["dataset"])
   if kwargs["batch_size"] % kwargs["num_gpus"]:
     raise ValueError(f"--batch_size={kwargs['batch_size']} must divide by "
                      f"--num_gpus={kwargs['num_gpus']}")
   return Settings(**kwargs)
+
+
+def check_cluster(cluster, dataset, ema_decay, precision):
+  """What does not run on a cluster (yet), decided here only.
+
+  Raises: ValueError naming the flag, where `cluster` is not None.
+  """
+  if cluster is None:
+    return
+  if dataset == "multimnist":
+    raise ValueError("--dataset=multimnist does not run on a cluster yet")
+  if ema_decay:
+    raise ValueError(f"--ema_decay={ema_decay}: weight averaging does not run on a "
+                     "cluster yet; use --ema_decay=0 there")
+  if precision == "bf16":
+    raise ValueError("--precision=bf16 on a cluster: TensorFlow's distributed runtime "
+                     "fuses the bfloat16 Conv1 into an op without a bfloat16 CPU "
+                     "kernel; use --precision=fp32")
 
 
 def tower_devices(device, num_towers):

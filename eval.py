@@ -10,7 +10,8 @@ the affine test set.
 The graph is rebuilt from the run's config.json; --iter_routing, --precision
 and --dtype override the run's (a dtype the checkpoint does not hold is
 refused, naming the variable). Writes to --out_dir (default
-<logdir>/eval_<checkpoint name>): results.json, predictions.csv,
+<logdir>/eval_<checkpoint name>_r<routing count>_<split>/, or <logdir>/own_images/
+with --images; `runs.EvalFolder`): results.json, predictions.csv,
 reconstructions.png (inputs beside their reconstructions) and figure4.png
 (each of the 16 dimensions of the predicted capsule perturbed over
 [-0.25, 0.25] in steps of 0.05, decoded; Figure 4 of the paper).
@@ -134,7 +135,7 @@ def main(argv, fv=flags.FLAGS):
       raise runs.RunError(f"unexpected arguments {argv[1:]} (image files go after "
                           "--images)")
     ckpt, run_dir = runs.resolve(s.checkpoint, s.which)
-    cfg, train_settings = runs.load_config(run_dir)
+    cfg, train_settings = runs.RunFolder(run_dir).load_config()
     overrides = {k: getattr(s, k) for k in ("iter_routing", "precision", "dtype")
                  if getattr(s, k)}
     cfg = dataclasses.replace(cfg, **overrides)
@@ -145,7 +146,8 @@ def main(argv, fv=flags.FLAGS):
       serving.export(cfg, ckpt, s.export_savedmodel, s.weights)
       print(f"wrote the SavedModel of {ckpt} to {s.export_savedmodel}")
     elif s.images:
-      s = dataclasses.replace(s, out_dir=s.out_dir or os.path.join(run_dir, "own_images"))
+      s = dataclasses.replace(s, out_dir=s.out_dir
+                              or runs.RunFolder(run_dir).own_images_folder().path)
       make_writable_folder(s.out_dir)
       sys.exit(classify_files(cfg, ckpt, s))
     else:
@@ -169,8 +171,8 @@ def evaluate_split(cfg, ckpt, run_dir, train_settings, s):
   if s.split == "affine":
     splits["affine"] = task.affine_split(splits)
     sweep = [(deg, task.affine_split(splits, deg)) for deg in sweep]
-  s = dataclasses.replace(s, dataset=dataset, out_dir=s.out_dir or os.path.join(
-      run_dir, f"eval_{os.path.basename(ckpt)}_r{cfg.iter_routing}_{s.split}"))
+  s = dataclasses.replace(s, dataset=dataset, out_dir=s.out_dir or runs.RunFolder(
+      run_dir).eval_folder(ckpt, cfg.iter_routing, s.split).path)
   make_writable_folder(s.out_dir)
   evaluate(cfg, ckpt, task, splits[s.split], s, sweep)
 
@@ -274,26 +276,14 @@ def evaluate(cfg, ckpt, task, split, s, sweep=()):
             {"max_rotation_deg": deg,
              "error_percent": evaluation.run(sess, ev, *part)["error_percent"]}
             for deg, part in sweep]
-      files.write_json(os.path.join(out_dir, "results.json"), result)
-      write_predictions(os.path.join(out_dir, "predictions.csv"), labels, res,
-                        task.two_digits)
-      if task.two_digits and cfg.use_decoder:
+      out = runs.EvalFolder(out_dir)
+      out.write_results(result)
+      out.write_predictions(np.asarray(labels), res["predictions"], res["lengths"])
+      if task.pictures == "figure5" and cfg.use_decoder:
         write_figure5(sess, ev, split, os.path.join(out_dir, "figure5.png"))
-      elif figure4 and cfg.image_channels == 1:
+      elif task.pictures == "figure4" and figure4 and cfg.image_channels == 1:
         write_pictures(sess, ev, figure4, images, labels, cfg, s, out_dir)
   print_report(result, out_dir)
-
-
-def write_predictions(path, labels, res, two):
-  """One line an example: index, label(s), prediction(s), capsule lengths
-  (`two`: two labels and predictions an image)."""
-  head = "label_a,label_b,prediction_a,prediction_b" if two else "label,prediction"
-  lines = [f"index,{head}," + ",".join(
-      f"length_{k}" for k in range(res["lengths"].shape[1]))]
-  for i, (y, p, lens) in enumerate(zip(labels, res["predictions"], res["lengths"])):
-    ids = f"{y[0]},{y[1]},{p[0]},{p[1]}" if two else f"{y},{p}"
-    lines.append(f"{i},{ids}," + ",".join(f"{x:.5f}" for x in lens))
-  files.atomic_write(path, "\n".join(lines) + "\n")
 
 
 def write_figure5(sess, ev, split, path, cases=6, scan=500):

@@ -36,9 +36,9 @@ from capsnet.data import mnist  # noqa: E402
 from capsnet.model import network  # noqa: E402
 from capsnet.running import averaging  # noqa: E402
 from capsnet.running import cluster_spec  # noqa: E402
-from capsnet.running import distributed  # noqa: E402
 from capsnet.running import evaluation  # noqa: E402
 from capsnet.running import planner  # noqa: E402
+from capsnet.running import roles  # noqa: E402
 from capsnet.running import run_state  # noqa: E402
 from capsnet.running import runs  # noqa: E402
 from capsnet.running import stopping  # noqa: E402
@@ -55,35 +55,33 @@ class TrainingError(Exception):
 
 TrainGraph = collections.namedtuple("TrainGraph", [
     "graph", "state", "input", "lr", "train_op", "loss", "accuracy", "summary",
-    "eval", "eval_averaged", "diag", "saver_latest", "saver_best",
-    "saver_without_optional", "init", "init_optional", "cluster"])
+    "eval", "eval_averaged", "diag", "init", "coordination"])
 
 
-def build_graph(cfg, s, devices, fixed_batch):
+def build_graph(cfg, s, role, devices, fixed_batch):
   """Everything train.py runs, in one finalized tf.Graph.
 
   Args:
-    fixed_batch: (images, labels[, targets]) uint8/int arrays for the
-      gradient diagnostic.
+    role: this process's `roles` role (where the variables live, how the
+      optimizer aggregates, what the tasks coordinate with).
+    fixed_batch: (images, labels, targets or None) uint8/int arrays for the
+      gradient diagnostic (`task.fixed_batch`).
   Returns: a `TrainGraph`.
   """
   graph = tf.Graph()
-  with graph.as_default(), distributed.device_scope(s.cluster):
+  with graph.as_default(), role.device_scope():
     tf.compat.v1.set_random_seed(s.seed)
     state = run_state.RunState()
     task = s.task()
     pipe = task.train_pipeline([cfg.image_size, cfg.image_size, cfg.image_channels],
-                               s.batch_size, (s.cluster.index if s.cluster else 0,
-                                              s.workers))
+                               s.batch_size, (role.index, role.workers))
     images, labels, targets = pipe.batch
     lr = tf.compat.v1.train.exponential_decay(
         s.learning_rate, state.global_step, s.decay_steps, s.decay_rate)
-    opt = distributed.wrap_optimizer(tf.compat.v1.train.AdamOptimizer(lr), s.cluster,
-                                     s.sync)
+    opt = role.wrap_optimizer(tf.compat.v1.train.AdamOptimizer(lr))
     grads, outs = network.tower_gradients(
         images, labels, cfg, opt, devices, targets=targets,
-        variable_device=distributed.variable_device(s.cluster),
-        two_digits=task.two_digits)
+        variable_device=role.variable_device(), heads=task.heads)
     train_op = opt.apply_gradients(grads, state.global_step)
     n = float(len(outs))
     loss = tf.add_n([o.loss for o in outs]) / n
@@ -93,35 +91,30 @@ def build_graph(cfg, s, devices, fixed_batch):
     diag = {}
     if s.diag_every:
       with tf.compat.v1.device(devices[0]), tf.name_scope("diagnostic"):
-        fixed = [tf.constant(a) for a in fixed_batch]
+        fixed_images, fixed_labels, fixed_targets = fixed_batch
         diag = network.gradient_diagnostic(
-            tf.cast(fixed[0], tf.float32) / 255.0, fixed[1], cfg, devices[0],
-            tf.cast(fixed[2], tf.float32) / 255.0 if len(fixed) > 2 else None,
-            two_digits=task.two_digits)
+            mnist.pixels(tf.constant(fixed_images)), tf.constant(fixed_labels), cfg,
+            devices[0], None if fixed_targets is None else
+            mnist.pixels(tf.constant(fixed_targets)), heads=task.heads)
     state.add_epoch_sums()
     eval_averaged = None
     if s.ema_decay:   # created last: the graph of a run without it is unchanged
       train_op, eval_averaged = averaging.weight_averaging(
           cfg, s.ema_decay, s.eval_batch_size, state, train_op, devices[0], task)
-    saver_latest = tf.compat.v1.train.Saver(max_to_keep=2, save_relative_paths=True)
-    saver_best = tf.compat.v1.train.Saver(max_to_keep=1, save_relative_paths=True)
-    saver_without_optional = tf.compat.v1.train.Saver(
-        [v for v in tf.compat.v1.global_variables() if v not in state.optional])
+    state.add_savers()
     init = tf.compat.v1.global_variables_initializer()
-    init_optional = tf.compat.v1.variables_initializer(state.optional)
-    coordination = distributed.coordination(s.cluster, opt)
+    coordination = role.coordination(opt)
   graph.finalize()
   return TrainGraph(graph, state, pipe, lr, train_op, loss, accuracy, summary, ev,
-                    eval_averaged, diag, saver_latest, saver_best,
-                    saver_without_optional, init, init_optional, coordination)
+                    eval_averaged, diag, init, coordination)
 
 
 # --------------------------------------------------------------------------
 # The loop
 
 # What one call of `train` works with.
-Run = collections.namedtuple("Run", ["sess", "g", "s", "folder", "splits", "writer",
-                                     "stop", "chief", "watch"])
+Run = collections.namedtuple("Run", ["sess", "g", "s", "role", "folder", "splits",
+                                     "writer", "stop"])
 
 
 def main(argv):
@@ -130,41 +123,36 @@ def main(argv):
   try:
     cfg = config.model_config_from_flags(FLAGS)
     s = config.settings_from_flags(FLAGS)
-    if s.cluster and cfg.precision == "bf16":
-      raise ValueError("--precision=bf16 on a cluster: TensorFlow's distributed "
-                       "runtime fuses the bfloat16 Conv1 into an op without a "
-                       "bfloat16 CPU kernel; use --precision=fp32")
-    if s.cluster and s.cluster.job == "ps":
-      why, signum = distributed.serve_ps(s.cluster)
-      print(f"train.py: ps task {s.cluster.index} ends: {why}")
-      sys.exit(128 + signum if signum else 0)
   except ValueError as e:   # ModelConfig and cluster errors
     sys.exit(f"train.py: error: {e}")
-  run_lock = None   # this process's hold on the logdir (the chief's)
+  role = roles.choose(s.cluster, s.sync, s.cluster_wait_secs)   # once
+  if role.serves:
+    sys.exit(role.serve())
+  run_lock = None   # this process's hold on the logdir
   try:
-    if cluster_spec.is_chief(s.cluster):   # the only process that writes the logdir
+    if role.writes:   # the only process that writes the logdir
       folder = runs.RunFolder(s.logdir)
       folder.check_writable()
       run_lock = folder.lock()   # before reading anything there
       s.check_resume(folder, cfg)
-      cfg = plan(cfg, s, folder)
+      cfg = plan(cfg, s, role, folder)
     splits = s.load_splits(cfg)
   except ValueError as e:   # DataError and RunError are ValueErrors
     if run_lock:   # a run that does not start leaves nothing
       run_lock.release(undo=True)
     sys.exit(f"train.py: error: {e}")
   try:
-    run_training(cfg, s, config.tower_devices(s.device, s.num_gpus), splits)
+    run_training(cfg, s, role, config.tower_devices(s.device, s.num_gpus), splits)
   finally:
     if run_lock:
       run_lock.release()
 
 
-def plan(cfg, s, folder):
+def plan(cfg, s, role, folder):
   """cfg with the convolution plan (and --precision=auto's choice) measured
-  on this host, or a resumed run's recorded one (`planner.plan_model`); one
-  process only (a cluster's tasks keep conv_impl's rule)."""
-  if s.cluster:
+  on this host, or a resumed run's recorded one (`planner.plan_model`),
+  where the role plans (`roles`)."""
+  if not role.plans:
     return cfg
   recorded = folder.config()
   cfg, line = planner.plan_model(cfg, s.batch_size // s.num_gpus, s.device,
@@ -175,10 +163,10 @@ def plan(cfg, s, folder):
   return cfg
 
 
-def run_training(cfg, s, devices, splits):
+def run_training(cfg, s, role, devices, splits):
   """`train`, with its errors as one line and its exit statuses."""
   try:
-    train(cfg, s, devices, splits)
+    train(cfg, s, role, devices, splits)
   except (TrainingError, runs.RunError, cluster_spec.ClusterError) as e:
     sys.exit(f"train.py: error: {e}")
   except OSError as e:
@@ -198,85 +186,51 @@ def run_training(cfg, s, devices, splits):
     raise
 
 
-def train(cfg, s, devices, splits):
+def train(cfg, s, role, devices, splits):
   """Trains until --epochs or --max_steps, then tests the best checkpoint.
 
   Writes config.json once the graph is built and the session restored or
   initialised. Exits with status 128 + the signal's number after a stop
   signal (Ctrl-C: 130, SIGTERM: 143, SIGHUP: 129), once the checkpoint is
-  saved. On a cluster only the chief restores, validates, saves and writes.
+  saved. What differs between the run's processes is the `role`'s; only
+  the one that `writes` restores, validates, saves and writes.
   """
   fixed_batch = s.task().fixed_batch(splits)
-  devices = distributed.worker_devices(s.cluster, devices)
-  server = distributed.start_server(s.cluster) if s.cluster else None
-  if s.cluster:
-    cluster_spec.wait_for(s.cluster.spec["ps"], s.cluster_wait_secs, "ps")
-  g = build_graph(cfg, s, devices, fixed_batch)
+  devices = role.devices(devices)
+  role.start()
+  g = build_graph(cfg, s, role, devices, fixed_batch)
   folder = runs.RunFolder(s.logdir)
-  chief = cluster_spec.is_chief(s.cluster)
-  stop, runner = stopping.StopRequest(relay=not chief), None
+  stop = role.stop_request()
+  proto = config.session_config(devices, s.log_device_placement)
   try:
-    with stop.installed(), open_session(g, s, devices, server) as sess:
-      pos, resumed = (run_state.restore_or_init(sess, g, folder) if chief
-                     else (g.state.load(sess), True))
-      if s.cluster and chief:
-        runner = distributed.start_chief(sess, g.cluster)
-      writer = start_writing(g, s, cfg, pos, resumed) if chief else distributed.NullWriter()
-      with contextlib.closing(writer), distributed.watching(  # files closed on every way out
-          sess, g.cluster, s.cluster, s.cluster_wait_secs) as watch:
-        run = Run(sess, g, s, folder, splits, writer, stop, chief, watch)
-        train_together(run, pos)
+    with stop.installed(), role.open_session(g.graph, proto, g.coordination) as sess:
+      pos, resumed = role.begin(sess, g, folder)
+      writer = role.writer(lambda: start_writing(g, s, cfg, pos, resumed))
+      with contextlib.closing(writer), role.watching(sess, g.coordination):
+        run = Run(sess, g, s, role, folder, splits, writer, stop)
+        with role.ending_together(sess, g.coordination, stop, pos):
+          train_epochs(run, pos)
         writer.flush()
         if stop.requested:
-          stop_early(run, runner, pos)
-        if chief:
+          stop_early(run, pos)
+        if role.writes:
           final_test(run)
-      if s.cluster and chief:
-        distributed.stop_chief(sess, g.cluster, runner)
+      role.end(sess, g.coordination)
   finally:
-    distributed.join_chief(runner)
+    role.close()
 
 
-def train_together(run, pos):
-  """`train_epochs`, and on a cluster the ways the tasks end together: a
-  worker other than the chief ends when the chief has stopped or ended the
-  run; the chief, ending on an error, ends the others first."""
-  try:
-    train_epochs(run, pos)
-  except distributed.Halted as e:   # a worker other than the chief
-    how = (f"stopped the run at step {e.step} ({signal.Signals(e.signum).name})"
-           if e.signum else f"ended the run at step {e.step} on an error (see its output)")
-    print(f"train.py: worker {run.s.cluster.index} ends: the chief {how}")
-    sys.exit(128 + (run.stop.signum or e.signum) if e.signum else 1)
-  except Exception:
-    if run.s.cluster and run.chief:
-      distributed.end_the_others(run.sess, run.g.cluster, run.s.cluster, pos.step)
-    raise
-
-
-def stop_early(run, runner, pos):
-  """After a stop signal, with the checkpoint saved: on a cluster the chief
-  ends the other tasks first. Exits with 128 + the signal's number."""
-  if run.s.cluster:
-    distributed.halt_workers(run.sess, run.g.cluster, run.s.cluster, run.stop.signum,
-                             pos.step)
-    distributed.stop_chief(run.sess, run.g.cluster, runner)
+def stop_early(run, pos):
+  """After a stop signal, with the checkpoint saved (the role ends the
+  run's other processes first). Exits with 128 + the signal's number."""
+  run.role.stop_early(run.sess, run.g.coordination, run.stop, pos.step)
   print(f"Saved {run.folder.latest_checkpoint('latest')}; run again with "
         f"--logdir={run.s.logdir} to resume")
   sys.exit(run.stop.exit_status)
 
 
-def open_session(g, s, devices, server):
-  proto = config.session_config(devices, s.log_device_placement)
-  if server is None:
-    return tf.compat.v1.Session(graph=g.graph, config=proto)
-  return distributed.open_session(s.cluster, server, g.graph,
-                                  distributed.session_config(s.cluster, proto),
-                                  g.cluster, s.cluster_wait_secs)
-
-
 def start_writing(g, s, cfg, pos, resumed):
-  """config.json and the events file (the chief's)."""
+  """config.json and the events file (of the process that writes)."""
   s.write_config(cfg)
   writer = tf.compat.v1.summary.FileWriter(s.logdir, None if resumed else g.graph)
   if resumed:   # TensorBoard drops what the first attempt logged after pos.step
@@ -291,8 +245,8 @@ def train_epochs(run, pos):
   while pos.epoch < s.epochs and not out_of_steps(s, pos) and not run.stop.requested:
     stats = run_epoch(run, pos)
     if run.stop.requested or pos.examples < epoch_images(run):
-      if run.chief:
-        save(run, run.g.saver_latest, "latest", pos)
+      if run.role.writes:
+        save(run, "latest", pos)
       return
     end_epoch(run, pos, stats)
 
@@ -310,18 +264,17 @@ def out_of_steps(s, pos):
   return s.max_steps and pos.step >= s.max_steps
 
 
-def save(run, saver, which, pos):
+def save(run, which, pos):
   """A checkpoint of `pos` into latest/ or best/; a second Ctrl-C waits.
 
   Raises: TrainingError if it cannot be written (e.g. a full disk); the
   checkpoints listed before stay listed and whole.
   """
   folder = run.folder.checkpoint_folder(which)
-  if run.s.cluster and run.s.sync:
-    distributed.wait_for_global_step(run.sess, run.g.state.global_step, pos.step)
+  run.role.before_save(run.sess, run.g.state.global_step, pos.step)
   try:
     with run.stop.deferred():
-      run.g.state.save(run.sess, saver, folder, pos)
+      run.g.state.save(run.sess, which, folder, pos)
   except (tf.errors.OpError, OSError) as e:
     reason = runs.error_reason(e)
     raise TrainingError(
@@ -346,12 +299,12 @@ def run_epoch(run, pos):
   settings ask). Returns: the `EpochStats` of the steps it ran.
   """
   sess, g, s = run.sess, run.g, run.s
-  order = mnist.shard_order(mnist.epoch_order(len(run.splits["train"][1]), s.seed, pos.epoch),
-                           s.batch_size, s.cluster.index if s.cluster else 0,
-                           s.workers)[pos.examples // s.workers:]
+  task = s.task()
+  order = task.epoch_order(len(run.splits["train"][1]), s.seed, pos.epoch, s.batch_size,
+                           (run.role.index, s.workers))[pos.examples // s.workers:]
   done_batches = pos.examples // (s.batch_size * s.workers)
   feed = {g.input.seed: s.seed * 100003 + pos.epoch, g.input.first_batch: done_batches,
-          **s.task().epoch_feed(g.input, run.splits["train"], order)}
+          **task.epoch_feed(g.input, run.splits["train"], order)}
   sess.run(g.input.iterator.initializer, feed)
   bar = tqdm.tqdm(total=steps_per_epoch(run), initial=done_batches,
                   desc=f"epoch {pos.epoch + 1}/{s.epochs}", disable=not s.progress,
@@ -378,15 +331,10 @@ def train_step(run, pos, stats):
   want_summary = (pos.step + 1) % s.summary_every == 0
   if want_summary:
     fetch["summary"] = g.summary
-  if g.cluster and run.chief:   # the chief reads the stops passed on to it
-    fetch["stops_waiting"] = g.cluster.stop.requests
+  fetch.update(run.role.step_fetches(g.coordination))
   res = run_step(run, pos, fetch)
   if res is None:
     return False
-  if run.watch and run.watch.lost:
-    raise cluster_spec.ClusterError(
-        f"{run.watch.lost} stopped answering: step {pos.step + 1} was not applied; "
-        f"the last checkpoint is {run.folder.latest_checkpoint('latest')}")
   loss, accuracy = res["loss"], res["accuracy"]
   pos.step += 1   # global_step read in the same run may predate the update
   if not np.isfinite(loss):
@@ -401,11 +349,8 @@ def train_step(run, pos, stats):
   stats.last_loss, stats.last_accuracy = loss, accuracy
   if want_summary:
     run.writer.add_summary(res["summary"], pos.step)
-  if g.cluster and not run.chief:   # the chief validates, saves and records
-    distributed.follow_the_chief(sess, g.cluster, s.cluster.index, run.stop)
-    return True
-  if g.cluster:
-    distributed.hear_passed_on_stops(sess, g.cluster, res["stops_waiting"], run.stop)
+  if not run.role.after_step(sess, g.coordination, res, run.stop):
+    return True   # another process validates, saves and records
   if g.diag and (pos.step % s.diag_every == 0 or pos.step == 1):
     record_diagnostic(run, pos)
   images = epoch_images(run)
@@ -415,27 +360,24 @@ def train_step(run, pos, stats):
                         "step": pos.step}, kind="validation")
     stats.val_seconds += time.time() - t
   if pos.step % s.save_every == 0 and pos.examples < images:
-    save(run, g.saver_latest, "latest", pos)   # (end_epoch saves the last step)
+    save(run, "latest", pos)   # (end_epoch saves the last step)
   return True
 
 
 def run_step(run, pos, fetch):
   """The training step's session run. Returns None at the epoch's end.
 
-  Raises: ClusterError when a task of the cluster is gone.
+  Raises: the role's error (a ClusterError) when another process of the run
+  is gone.
   """
   try:
-    return run.sess.run(fetch)
+    res = run.sess.run(fetch)
   except tf.errors.OutOfRangeError:
     return None
-  except (tf.errors.UnavailableError, tf.errors.AbortedError,
-          tf.errors.CancelledError) as e:
-    if not run.s.cluster:
-      raise
-    raise cluster_spec.ClusterError(
-        f"step {pos.step + 1}: a task of the cluster is gone ({type(e).__name__}: "
-        f"{runs.error_reason(e)}); "
-        f"the last checkpoint is {run.folder.latest_checkpoint('latest')}") from None
+  except run.role.task_errors as e:
+    raise run.role.task_gone(e, pos.step + 1, run.folder) from None
+  run.role.check_step(pos.step + 1, run.folder)
+  return res
 
 
 def end_epoch(run, pos, stats):
@@ -452,9 +394,9 @@ def end_epoch(run, pos, stats):
          "train_accuracy": pos.accuracy_sum / n if n else None}
   pos.epoch, pos.examples = pos.epoch + 1, 0
   pos.loss_sum, pos.accuracy_sum, pos.summed_steps = 0.0, 0.0, 0
-  if run.chief:
+  if run.role.writes:
     validate(run, pos, row, kind="epoch")
-    save(run, run.g.saver_latest, "latest", pos)
+    save(run, "latest", pos)
 
 
 def validate(run, pos, row, kind):
@@ -496,7 +438,7 @@ def validate(run, pos, row, kind):
   if not len(val_y) or accuracy > pos.best_val:
     if len(val_y):
       pos.best_val, pos.best_averaged = accuracy, averaged
-    save(run, run.g.saver_best, "best", pos)
+    save(run, "best", pos)
 
 
 def final_test(run):
@@ -506,7 +448,7 @@ def final_test(run):
   if best is None:
     print("No completed epoch yet: no best checkpoint to test")
     return
-  run_state.restore(run.sess, run.g, best)
+  run.g.state.restore(run.sess, best)
   averaged = run.g.state.load(run.sess).best_averaged
   graph = run.g.eval_averaged if averaged else run.g.eval
   test = evaluation.run(run.sess, graph, *run.splits["test"])

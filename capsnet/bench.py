@@ -28,6 +28,7 @@ import re
 import resource
 import statistics
 import time
+from unittest import mock
 
 from absl import app
 from absl import flags
@@ -92,7 +93,7 @@ def flops_per_image(cfg, train):
   return 2 * conv1 + 3 * rest if train else conv1 + rest
 
 
-def tiled_digit_caps(u, out_caps, out_dim, num_iters, stop_gradient):
+def tiled_digit_caps(u, out_caps, out_dim, num_iters, stop_gradient, official=False):
   """Baseline DigitCaps: W and u tiled over the batch, routing as in the TF1
   reference (its `routing()` in capsLayer.py): `s_j` by broadcast multiply
   and reduce, the agreement by tiling `v_j` over the input capsules and a
@@ -101,11 +102,14 @@ def tiled_digit_caps(u, out_caps, out_dim, num_iters, stop_gradient):
   stopped `u_hat` when `stop_gradient`.
 
   The signature, results and variable of `layers.digit_caps` (W [in_caps,
-  out_caps, in_dim, out_dim]), so that `network.forward` takes it in place of
-  ours and the rest of the model (losses, decoder) is the same.
+  out_caps, in_dim, out_dim]), so that `_build` can put it in the place of
+  ours while `network.forward` builds the graph, and the rest of the model
+  (losses, decoder) is the same. The paper's layers only (`official` False).
   """
   import tensorflow as tf
   from capsnet.model import routing
+  if official:
+    raise ValueError("the baseline DigitCaps has the paper's layers only")
   with tf.compat.v1.variable_scope("digit_caps"):
     in_caps, in_dim = u.shape[1], u.shape[2]
     w = tf.compat.v1.get_variable(
@@ -136,13 +140,14 @@ def _build(variant, cfg, images, labels, train):
   the same model (losses, decoder, config) with `tiled_digit_caps` and
   TensorFlow's own convolution gradients."""
   import tensorflow as tf
+  from capsnet.model import layers
   from capsnet.model import network
   if variant == "ours":
     out = network.forward(images, labels, cfg, training=train)
-  else:
+  else:   # the model's own forward, with the baseline layer in ours' place
     baseline = dataclasses.replace(cfg, conv_impl="conv2d")
-    out = network.forward(images, labels, baseline, training=train,
-                        digit_caps=tiled_digit_caps)
+    with mock.patch.object(layers, "digit_caps", tiled_digit_caps):
+      out = network.forward(images, labels, baseline, training=train)
   if not train:
     return out.predictions
   opt = tf.compat.v1.train.AdamOptimizer(1e-3)

@@ -49,7 +49,8 @@ def ship(run, out):
                  and not n.endswith(runs.AVERAGE_SUFFIX))
   weights = runs.chosen_weights(ckpt)   # the averages, if they won validation
   source = {n: n + (runs.AVERAGE_SUFFIX if weights == "averaged" else "") for n in names}
-  prefix = os.path.join(out, "best", f"{runs.CHECKPOINT_PREFIX}-{runs.step_of(ckpt)}")
+  prefix = os.path.join(runs.RunFolder(out).checkpoint_folder("best"),
+                        f"{runs.CHECKPOINT_PREFIX}-{runs.step_of(ckpt)}")
   os.makedirs(os.path.dirname(prefix))
   with tf.Graph().as_default(), tf.compat.v1.Session() as sess:
     variables = [tf.compat.v1.get_variable(

@@ -36,9 +36,7 @@ run on the affine test set with the severity sweep, and the shipped weights
 (`--shipped`) once, into <out>/shipped/.
 """
 import io
-import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -50,10 +48,9 @@ from capsnet.data import tasks
 from capsnet.running import files
 from capsnet.running import host
 from capsnet.running import runs
+from capsnet.running import schedule
 from capsnet.using import stats
 
-# train.py's learning-rate decay period; runs with another one get a tag.
-DEFAULT_DECAY_STEPS = 2000
 # Weight averaging of the variants that use it: a time constant of 1,000
 # steps, about 2.3 epochs of 429 steps.
 EMA_DECAY = 0.999
@@ -106,7 +103,7 @@ def define_flags():
   flags.DEFINE_integer("seeds", 2, "seeds per variant (0 .. seeds-1)", lower_bound=1)
   flags.DEFINE_integer("first_seed", 0, "the first seed", lower_bound=0)
   flags.DEFINE_list("variants", None, "variants to run (default: the whole grid)")
-  flags.DEFINE_list("decay_steps", [str(DEFAULT_DECAY_STEPS)], "learning-rate "
+  flags.DEFINE_list("decay_steps", [str(schedule.DECAY_STEPS)], "learning-rate "
                     "decay periods (train.py --decay_steps); each variant runs "
                     "with each")
   flags.DEFINE_string("out", "study", "folder of the runs, table and plots")
@@ -136,12 +133,12 @@ FLAGS = flags.FLAGS
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_name(variant, seed, decay_steps=DEFAULT_DECAY_STEPS):
-  tag = "" if decay_steps == DEFAULT_DECAY_STEPS else f"_decay{decay_steps}"
+def run_name(variant, seed, decay_steps=schedule.DECAY_STEPS):
+  tag = "" if decay_steps == schedule.DECAY_STEPS else f"_decay{decay_steps}"
   return f"{variant}{tag}_seed{seed}"
 
 
-def run_dir(out, variant, seed, decay_steps=DEFAULT_DECAY_STEPS):
+def run_dir(out, variant, seed, decay_steps=schedule.DECAY_STEPS):
   return os.path.join(out, run_name(variant, seed, decay_steps))
 
 
@@ -230,7 +227,7 @@ def _better_weights(rows):
           < figures("val_error_percent") else "raw")
 
 
-def summarize(out, grid, variants, seeds, epochs, schedules=(DEFAULT_DECAY_STEPS,)):
+def summarize(out, grid, variants, seeds, epochs, schedules=(schedule.DECAY_STEPS,)):
   """Per-variant figures from the run folders.
 
   Args:
@@ -536,14 +533,15 @@ def _save(plt, fig, path):
 
 
 def _label(row):
-  if row["decay_steps"] == DEFAULT_DECAY_STEPS:
+  if row["decay_steps"] == schedule.DECAY_STEPS:
     return row["variant"]
   return f"{row['variant']}, lr decay every {row['decay_steps']}"
 
 
 def _multimnist(rows):
-  """Rows of two digits an image (MultiMNIST): their own columns and axis."""
-  return any(tasks.get(r["dataset"]).two_digits for r in rows)
+  """Rows whose task counts training pairs (MultiMNIST): their own columns
+  and axis."""
+  return any(tasks.get(r["dataset"]).progress == "pairs" for r in rows)
 
 
 # plot's x axes: the curves it reads, their scale and the axis label.
@@ -708,12 +706,8 @@ def publish(out, rows, folder):
   """Copies each run's small files (never checkpoints) to folder/<run>/."""
   for r in rows:
     for run in r["runs"]:
-      target = os.path.join(folder, run["run"])
-      os.makedirs(target, exist_ok=True)
-      for name in SMALL_FILES:
-        src = os.path.join(out, run["run"], name)
-        if os.path.exists(src):
-          shutil.copyfile(src, os.path.join(target, name))
+      runs.RunFolder(os.path.join(out, run["run"])).copy_small_files(
+          os.path.join(folder, run["run"]))
 
 
 def run_one(spec, seed, folder, settings, extra):
@@ -757,27 +751,27 @@ def measure_routing(folder, iter_routing):
   """
   results = {}
   for r in (iter_routing, other_routing(iter_routing)):
-    out_dir = os.path.join(folder, f"routing_r{r}")
-    cmd = [sys.executable, os.path.join(ROOT, "eval.py"), f"--checkpoint={folder}",
-           f"--iter_routing={r}", f"--out_dir={out_dir}", "--num_images=8",
-           "--figure4_images=1"]
-    with open(folder + ".log", "a") as log:
-      rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
-    if rc:
-      sys.exit(f"study: error: eval.py --iter_routing={r} on {folder} failed "
-               f"(exit {rc}); see {folder}.log")
-    with open(os.path.join(out_dir, "results.json")) as f:
-      results[r] = (json.load(f), _read_predictions(os.path.join(out_dir, "predictions.csv")))
+    out = evaluate(folder, os.path.join(folder, f"routing_r{r}"), folder + ".log",
+                   f"--iter_routing={r}")
+    predictions = out.predictions()
+    results[r] = out.results(), (predictions["label"], predictions["prediction"])
   summary = routing_summary(results[iter_routing], results[other_routing(iter_routing)])
   runs.RunFolder(folder).write_routing(summary)
   return summary
 
 
-def _read_predictions(path):
-  """(labels, predictions) of eval.py's predictions.csv (one digit an image)."""
-  with open(path) as f:
-    rows = [line.split(",") for line in f.read().splitlines()[1:] if line]
-  return [int(r[1]) for r in rows], [int(r[2]) for r in rows]
+def evaluate(folder, out_dir, log_path, *args):
+  """eval.py on the best checkpoint of the run `folder`, with `args`, into
+  `out_dir` (its output appended to `log_path`). Returns: the
+  runs.EvalFolder. Exits if eval.py fails."""
+  cmd = [sys.executable, os.path.join(ROOT, "eval.py"), f"--checkpoint={folder}", *args,
+         f"--out_dir={out_dir}", "--num_images=8", "--figure4_images=1"]
+  with open(log_path, "a") as log:
+    rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+  if rc:
+    sys.exit(f"study: error: eval.py {' '.join(args)} on {folder} failed (exit {rc}); "
+             f"see {log_path}")
+  return runs.EvalFolder(out_dir)
 
 
 def measure_affine(folder, sweep, out_folder=None):
@@ -789,17 +783,9 @@ def measure_affine(folder, sweep, out_folder=None):
   Returns: the affine_results.json dict. Exits if eval.py fails.
   """
   out_folder = out_folder or folder
-  out_dir = os.path.join(out_folder, "eval_affine")
-  cmd = [sys.executable, os.path.join(ROOT, "eval.py"), f"--checkpoint={folder}",
-         "--split=affine", f"--affine_sweep={','.join(str(d) for d in sweep)}",
-         f"--out_dir={out_dir}", "--num_images=8", "--figure4_images=1"]
-  with open(out_folder.rstrip("/") + ".log", "a") as log:
-    rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
-  if rc:
-    sys.exit(f"study: error: eval.py --split=affine on {folder} failed (exit {rc}); "
-             f"see {out_folder.rstrip('/')}.log")
-  with open(os.path.join(out_dir, "results.json")) as f:
-    res = json.load(f)
+  res = evaluate(folder, os.path.join(out_folder, "eval_affine"),
+                 out_folder.rstrip("/") + ".log", "--split=affine",
+                 f"--affine_sweep={','.join(str(d) for d in sweep)}").results()
   result = {k: res[k] for k in ("checkpoint", "count", "error_percent",
                                 "margin_loss_mean", "iter_routing", "weights", "affine",
                                 "sweep")}
@@ -874,9 +860,9 @@ def main(argv):
     elif FLAGS.train:
       run_one(grid[name], seed, folder, dict(settings, decay_steps=decay_steps), extra)
     scored = (is_complete(folder, FLAGS.epochs)
-              and os.path.isdir(os.path.join(folder, "best")))
+              and bool(runs.RunFolder(folder).checkpoints("best")))
     if (FLAGS.routing and scored
-        and not tasks.get(grid[name].get("dataset", tasks.DEFAULT)).two_digits
+        and tasks.get(grid[name].get("dataset", tasks.DEFAULT)).heads == "one_digit"
         and runs.RunFolder(folder).routing() is None):
       print(f"{os.path.basename(folder)}: measuring routing", flush=True)
       measure_routing(folder, grid[name]["iter_routing"])
@@ -898,10 +884,8 @@ def main(argv):
   if FLAGS.publish:
     report(rows, FLAGS.publish, TITLES[FLAGS.grid], comparisons, figures, reference)
     publish(FLAGS.out, rows, FLAGS.publish)
-    if reference:
-      os.makedirs(os.path.join(FLAGS.publish, SHIPPED), exist_ok=True)
-      shutil.copyfile(runs.RunFolder(shipped).file(runs.AFFINE_RESULTS_FILE),
-                      os.path.join(FLAGS.publish, SHIPPED, runs.AFFINE_RESULTS_FILE))
+    if reference:   # (its affine_results.json)
+      runs.RunFolder(shipped).copy_small_files(os.path.join(FLAGS.publish, SHIPPED))
   print(table)
 
 

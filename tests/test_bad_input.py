@@ -11,6 +11,7 @@ import pytest
 
 import config
 from capsnet.model import network
+from capsnet.running import runs
 from conftest import QUICK, ROOT, last_line, needs_mnist, train_here
 
 
@@ -62,11 +63,11 @@ def test_other_training_settings_refused_on_resume(tmp_path, field, value):
   with pytest.raises(ValueError, match=re.escape(
       f"{tmp_path}/config.json has {field}={getattr(s, field)!r}, the flags give "
       f"{value!r}: use another --logdir or the same value")):
-    dataclasses.replace(s, **{field: value}).check_logdir(cfg)
+    dataclasses.replace(s, **{field: value}).check_resume(runs.RunFolder(s.logdir), cfg)
   assert (tmp_path / "config.json").read_text() == before
   # --epochs and --max_steps may change, and so may precision and conv_impl.
-  dataclasses.replace(s, epochs=5, max_steps=7).check_logdir(
-      dataclasses.replace(cfg, precision="bf16", conv_impl="conv2d"))
+  dataclasses.replace(s, epochs=5, max_steps=7).check_resume(
+      runs.RunFolder(s.logdir), dataclasses.replace(cfg, precision="bf16", conv_impl="conv2d"))
 
 
 TINY_MODEL = dict(conv1_channels=16, primary_types=4, primary_dim=4, digit_dim=8,
@@ -74,13 +75,13 @@ TINY_MODEL = dict(conv1_channels=16, primary_types=4, primary_dim=4, digit_dim=8
 
 
 def test_logdir_that_is_a_file_or_under_a_file(tmp_path):
-  cfg, path = network.ModelConfig(), tmp_path / "file"
+  path = tmp_path / "file"
   path.write_text("x")
   with pytest.raises(ValueError, match=f"--logdir={path}: is a file, expected a folder"):
-    _settings().check_logdir(cfg, str(path))
+    runs.RunFolder(str(path)).check_writable()
   with pytest.raises(ValueError, match=f"--logdir={path}/run: {path} is a file, "
                      "expected a folder"):
-    _settings().check_logdir(cfg, str(path / "run"))
+    runs.RunFolder(str(path / "run")).check_writable()
 
 
 def test_logdir_in_a_read_only_folder(small_disk):
@@ -88,7 +89,7 @@ def test_logdir_in_a_read_only_folder(small_disk):
   remount("ro")
   with pytest.raises(ValueError, match=re.escape(
       f"--logdir={folder}/run: cannot write in {folder} (Read-only file system)")):
-    _settings().check_logdir(network.ModelConfig(), str(folder / "run"))
+    runs.RunFolder(str(folder / "run")).check_writable()
 
 
 @needs_mnist

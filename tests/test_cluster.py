@@ -113,6 +113,24 @@ def test_bad_cluster_description_is_one_line(args, message):
   assert proc.stderr.strip().splitlines() == [f"train.py: error: {message}"]
 
 
+CLUSTER = ["--ps_hosts=localhost:1", "--worker_hosts=localhost:2", "--job_name=worker"]
+
+
+@pytest.mark.parametrize("arg,message", [
+    ("--dataset=multimnist", "--dataset=multimnist does not run on a cluster yet"),
+    ("--ema_decay=0.999", "--ema_decay=0.999: weight averaging does not run on a "
+     "cluster yet; use --ema_decay=0 there"),
+    ("--precision=bf16", "--precision=bf16 on a cluster: TensorFlow's distributed "
+     "runtime fuses the bfloat16 Conv1 into an op without a bfloat16 CPU kernel; "
+     "use --precision=fp32"),
+])
+def test_what_does_not_run_on_a_cluster_is_one_line(arg, message):
+  """config.check_cluster, the one place that says so; nothing is started."""
+  proc = train_here(*CLUSTER, arg)
+  assert proc.returncode == 1
+  assert proc.stderr.strip().splitlines() == [f"train.py: error: {message}"]
+
+
 @pytest.mark.integration
 @needs_mnist
 def test_unreachable_ps_is_one_line_within_the_wait():

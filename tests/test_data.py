@@ -15,6 +15,7 @@ import pytest
 import tensorflow as tf
 
 from capsnet.data import mnist
+from capsnet.data import tasks
 from conftest import ROOT
 
 
@@ -303,7 +304,7 @@ def test_real_mnist_md5_and_label_histograms():
       5923, 6742, 5958, 6131, 5842, 5421, 5918, 6265, 5851, 5949]
   assert np.bincount(splits["test"][1]).tolist() == [
       980, 1135, 1032, 1010, 982, 892, 958, 1028, 974, 1009]
-  default = mnist.load("mnist", MNIST_DIR, download_missing=False)
+  default = tasks.get(tasks.DEFAULT).load(MNIST_DIR, tasks.VAL_SIZE, download=False)
   assert [len(default[s][1]) for s in ("train", "validation", "test")] == [55000, 5000, 10000]
 
 

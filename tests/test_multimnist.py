@@ -143,16 +143,19 @@ def test_paper_model_on_36x36_has_10x10x32_primary_capsules():
   with tf.Graph().as_default():
     images = tf.compat.v1.placeholder(tf.float32, [None, 36, 36, 1])
     out = network.forward(images, tf.zeros([1, 2], tf.int32), cfg, training=True,
-                        targets=tf.zeros([1, 2, 36, 36, 1]), two_digits=True)
+                        targets=tf.zeros([1, 2, 36, 36, 1]), heads="two_digits")
     # the task says how many labels an image has; a rank that does not fit
     # is refused, not guessed
     with pytest.raises(ValueError, match=r"labels must be \[batch, 2\] with "
-                       r"two_digits=True, got shape \(1,\)"):
+                       r"heads='two_digits', got shape \(1,\)"):
       network.forward(images, tf.zeros([1], tf.int32), cfg, training=True,
-                    targets=tf.zeros([1, 2, 36, 36, 1]), two_digits=True)
+                    targets=tf.zeros([1, 2, 36, 36, 1]), heads="two_digits")
     with pytest.raises(ValueError, match=r"labels must be \[batch\] with "
-                       r"two_digits=False, got shape \(1, 2\)"):
+                       r"heads='one_digit', got shape \(1, 2\)"):
       network.forward(images, tf.zeros([1, 2], tf.int32), cfg, training=True)
+    with pytest.raises(ValueError, match=r"forward: heads='three': expected one of "
+                       r"\['one_digit', 'two_digits'\]"):
+      network.forward(images, tf.zeros([1], tf.int32), cfg, training=True, heads="three")
     count = sum(int(np.prod(v.shape)) for v in tf.compat.v1.trainable_variables())
   # W alone: 3200 x 10 x 8 x 16; the decoder's output layer has 36 * 36 units.
   assert count == 11_361_808
@@ -213,7 +216,17 @@ def test_multimnist_training_and_evaluation_smoke(tmp_path):
 def test_tasks_say_what_each_data_set_is():
   from capsnet.data import tasks
   mnist, fashion, pairs = (tasks.get(n, 6) for n in ("mnist", "fashion_mnist", "multimnist"))
-  assert (mnist.two_digits, fashion.two_digits, pairs.two_digits) == (False, False, True)
+  assert (mnist.heads, fashion.heads, pairs.heads) == ("one_digit", "one_digit",
+                                                       "two_digits")
+  assert (mnist.image_size, fashion.image_size, pairs.image_size) == (28, 28, 36)
+  assert (mnist.pictures, pairs.pictures) == ("figure4", "figure5")
+  assert (mnist.has_affine, fashion.has_affine, pairs.has_affine) == (True, False, False)
+  lengths = np.array([[0.9, 0.8, 0.1], [0.1, 0.9, 0.8]])
+  scored = pairs.score(lengths, None, np.array([[0, 1], [0, 1]]))
+  assert scored == {"accuracy": 0.5, "error_percent": 50.0, "at_least_one": 1.0}
+  scored = mnist.score(lengths, np.array([0, 1]), np.array([0, 2]))
+  assert (scored["accuracy"], scored["per_class_accuracy"]) == (0.5, [1.0, 0.0, 0.0])
+  assert scored["confusion"] == [[1, 0, 0], [0, 0, 0], [0, 1, 0]]
   assert (mnist.files, fashion.files, pairs.files) == ("mnist", "fashion_mnist", "mnist")
   assert pairs.pair_shift == 6
   splits = {"train": (np.arange(40).reshape(40, 1), np.arange(40)),
@@ -235,5 +248,3 @@ def test_tasks_say_what_each_data_set_is():
     assert set(feed) == {both.images, both.labels, both.order}
     assert len(feed[both.images]) == 40          # the digits once, paired on the fly
     assert digits.batch[2] is None and both.batch[2] is not None
-    with pytest.raises(ValueError, match="does not run on a cluster yet"):
-      pairs.train_pipeline([36, 36, 1], 8, (1, 2))

@@ -21,7 +21,7 @@ def _shipped_result(images, labels):
   as their config.json says."""
   ckpt, run = runs.resolve(PRETRAINED, "best")
   assert runs.damage(ckpt) is None
-  cfg = runs.load_config(run)[0]
+  cfg = runs.RunFolder(run).load_config()[0]
   assert cfg.precision == "fp32"
   with tf.Graph().as_default():
     ev = evaluation.build(cfg, 500)

@@ -291,9 +291,6 @@ def test_routing_summary_counts_changed_predictions(tmp_path):
   assert m["own"]["errors"] == 2 and m["other"]["errors"] == 2 and m["images"] == 5
   assert m["own"]["entropy"] == [2.3026, 2.30, 2.29] and m["other"]["iter_routing"] == 1
   assert study.other_routing(3) == 1 and study.other_routing(1) == 3
-  path = tmp_path / "predictions.csv"
-  path.write_text("index,label,prediction,length_0\n0,3,3,0.9\n1,5,2,0.8\n")
-  assert study._read_predictions(str(path)) == ([3, 5], [3, 2])
   with pytest.raises(ValueError, match="different images"):
     study.routing_summary(own, (other[0], ([1, 1, 2, 3, 4], [0, 7, 2, 8, 4])))
 

@@ -216,7 +216,7 @@ def test_run_folder_errors(tmp_path, run_dir):
   assert ckpt == f"{other}/best/model.ckpt-50"
   with tf.Graph().as_default():
     network.forward(tf.zeros([1, 28, 28, 1]), tf.zeros([1], tf.int32),
-                  runs.load_config(run)[0], training=False)
+                  runs.RunFolder(run).load_config()[0], training=False)
     with pytest.raises(runs.RunError, match=re.escape(
         f"{ckpt}: checkpoint of another architecture: capsnet/digit_caps/weights "
         "is [144, 10, 4, 8] in the checkpoint, [144, 10, 4, 6] in config.json")):
@@ -224,7 +224,39 @@ def test_run_folder_errors(tmp_path, run_dir):
   (other / "config.json").write_text('{"model": {"conv1_chan')
   with pytest.raises(runs.RunError, match=re.escape(
       f"{other}/config.json: not a valid config.json (")):
-    runs.load_config(str(other))
+    runs.RunFolder(str(other)).load_config()
+
+
+def test_eval_folder_predictions_round_trip_by_column_name(tmp_path):
+  """eval.py's predictions.csv is written and read by runs.EvalFolder alone:
+  read back by its header's names, for one digit and two an image; a
+  damaged file is one RunError naming it."""
+  lengths = np.array([[0.9, 0.1], [0.2, 0.8]], np.float32)
+  one = runs.EvalFolder(str(tmp_path))
+  one.write_predictions(np.array([0, 1]), np.array([0, 0]), lengths)
+  assert open(one.file("predictions.csv")).read().splitlines() == [
+      "index,label,prediction,length_0,length_1", "0,0,0,0.90000,0.10000",
+      "1,1,0,0.20000,0.80000"]
+  got = one.predictions()
+  assert got["label"] == [0, 1] and got["prediction"] == [0, 0]
+  assert got["length_1"] == [0.1, 0.8]
+  two = runs.EvalFolder(str(tmp_path / "two"))
+  os.makedirs(two.path)
+  two.write_predictions(np.array([[0, 1], [1, 0]]), np.array([[0, 1], [0, 1]]), lengths)
+  assert two.predictions()["label_b"] == [1, 0]
+  assert two.predictions()["prediction_b"] == [1, 1]
+  with open(two.file("predictions.csv"), "a") as f:
+    f.write("2,x\n")
+  with pytest.raises(runs.RunError, match=re.escape(
+      f"{two.file('predictions.csv')}: not a valid predictions.csv (")):
+    two.predictions()
+  with pytest.raises(runs.RunError, match=re.escape(
+      f"{tmp_path / 'none' / 'results.json'}: missing")):
+    runs.EvalFolder(str(tmp_path / "none")).results()
+  folder = runs.RunFolder(str(tmp_path / "run"))
+  assert folder.eval_folder("a/best/model.ckpt-50", 3, "affine").path == str(
+      tmp_path / "run" / "eval_model.ckpt-50_r3_affine")
+  assert folder.own_images_folder().path == str(tmp_path / "run" / "own_images")
 
 
 def _tower_graph(devices, cfg):

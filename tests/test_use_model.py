@@ -85,7 +85,7 @@ def test_photographed_test_digits_classified_as_the_originals(tmp_path, mnist_te
   images, _ = mnist_test_split
   paths = write_as_photos(images[:100], str(tmp_path))
   ckpt, run = runs.resolve(PRETRAINED, "best")
-  cfg = runs.load_config(run)[0]
+  cfg = runs.RunFolder(run).load_config()[0]
   original = serving.classify(cfg, ckpt, images[:100])["classes"]
   photos = serving.classify(cfg, ckpt, np.stack([pictures.preprocess(p) for p in paths]))
   assert (photos["classes"] == original).sum() >= 98
@@ -107,7 +107,7 @@ def test_images_cli_prints_writes_and_reports_bad_files(small_run, mnist_test_sp
   report = json.loads(proc.stdout)                  # ...the others were classified
   assert [r["file"] for r in report] == paths
   ckpt, run = runs.resolve(small_run, "best")
-  cfg = runs.load_config(run)[0]
+  cfg = runs.RunFolder(run).load_config()[0]
   expected = serving.classify(cfg, ckpt, np.stack([pictures.preprocess(p) for p in paths]))
   assert [r["class"] for r in report] == expected["classes"].tolist()
   np.testing.assert_allclose([r["lengths"] for r in report], expected["lengths"], atol=1e-6)
@@ -126,7 +126,7 @@ def test_images_cli_prints_writes_and_reports_bad_files(small_run, mnist_test_sp
 def test_routing_picture_draws_the_models_coefficients(small_run, mnist_test_split):
   images, labels = mnist_test_split
   ckpt, run = runs.resolve(small_run, "best")
-  cfg = runs.load_config(run)[0]
+  cfg = runs.RunFolder(run).load_config()[0]
   drawn = serving.classify(cfg, ckpt, images[:2])            # what eval.py draws
   with tf.Graph().as_default(), tf.compat.v1.Session() as sess:
     ev = evaluation.build(cfg, 2)
@@ -178,7 +178,7 @@ print(f.structured_input_signature)
   assert out["reconstructions"].shape == (100, 784)
   # The classes and lengths eval.py gives (its --images mode runs this).
   ckpt, run = runs.resolve(small_run, "best")
-  expected = serving.classify(runs.load_config(run)[0], ckpt, images[:100])
+  expected = serving.classify(runs.RunFolder(run).load_config()[0], ckpt, images[:100])
   np.testing.assert_array_equal(out["classes"], expected["classes"])
   np.testing.assert_allclose(out["lengths"], expected["lengths"], atol=1e-5)
   # serving_default takes uint8 images by name, any batch size
@@ -200,9 +200,9 @@ def test_shipped_weights_are_the_model_variables_only(small_run, mnist_test_spli
   saved = json.load(open(os.path.join(out, "config.json")))
   assert saved["shipped_from"]["step"] == int(ckpt.rsplit("-", 1)[1])
   images = mnist_test_split[0][:50]
-  cfg = runs.load_config(run)[0]
+  cfg = runs.RunFolder(run).load_config()[0]
   np.testing.assert_array_equal(
-      serving.classify(runs.load_config(out)[0], *runs.resolve(out, "best")[:1],
+      serving.classify(runs.RunFolder(out).load_config()[0], *runs.resolve(out, "best")[:1],
                        images)["classes"],
       serving.classify(cfg, ckpt, images)["classes"])
   with pytest.raises(runs.RunError, match=f"--out={out}: exists; give a new folder"):

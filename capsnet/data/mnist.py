@@ -210,7 +210,7 @@ def ensure_files(dataset, data_dir, download_missing=True, mirrors=None,
   return paths
 
 
-def load(dataset, data_dir, val_size=5000, download_missing=True, mirrors=None):
+def load(dataset, data_dir, val_size, download_missing=True, mirrors=None):
   """Loads the splits: train (first 60000 - val_size), validation (last
   val_size of the training file), test (the official test file).
 
@@ -244,6 +244,12 @@ def load(dataset, data_dir, val_size=5000, download_missing=True, mirrors=None):
   return {"train": (train_x[:cut], train_y[:cut]),
           "validation": (train_x[cut:], train_y[cut:]),
           "test": arrays["test"]}
+
+
+def pixels(images):
+  """uint8 pixels as float32 in [0, 1]: what the model reads (the one place
+  that scales them)."""
+  return tf.cast(images, tf.float32) / 255.0
 
 
 def epoch_order(n, seed, epoch):
@@ -318,7 +324,7 @@ def make_dataset(images, labels, batch_size, augment=False, seed=0,
     if augment:
       k = k + tf.cast(first_batch, tf.int64)
       x, _ = random_shift(x, tf.stack([tf.cast(seed, tf.int64), k]), shard=shard)
-    return tf.cast(x, tf.float32) / 255.0, tf.cast(y, tf.int32)
+    return pixels(x), tf.cast(y, tf.int32)
   ds = ds.map(prepare, num_parallel_calls=2)
   return ds.prefetch(prefetch).with_options(dataset_options())
 

@@ -147,7 +147,7 @@ def eval_pipeline(batch_size, name="eval_input", size=CANVAS):
     targets = tf.compat.v1.placeholder(tf.uint8, [None, 2, size, size, 1],
                                        name="targets")
     ds = tf.data.Dataset.from_tensor_slices((images, labels, targets)).batch(batch_size)
-    ds = ds.map(lambda x, y, t: (_float(x), y, _float(t)), num_parallel_calls=2)
+    ds = ds.map(lambda x, y, t: (mnist.pixels(x), y, mnist.pixels(t)), num_parallel_calls=2)
     iterator = tf.compat.v1.data.make_initializable_iterator(
         ds.prefetch(2).with_options(mnist.dataset_options()))
     batch = iterator.get_next()
@@ -170,16 +170,12 @@ def train_pipeline(batch_size, max_shift=PAIR_SHIFT, name="train_input"):
     def pairs(k, first):
       x, y, t = training_pairs(digits, labels, first, tf.stack([seed, first_batch + k]),
                                max_shift)
-      return _float(x), y, _float(t)
+      return mnist.pixels(x), y, mnist.pixels(t)
     ds = ds.enumerate().map(pairs, num_parallel_calls=2)
     iterator = tf.compat.v1.data.make_initializable_iterator(
         ds.prefetch(2).with_options(mnist.dataset_options()))
     batch = iterator.get_next()
   return mnist.Pipeline(digits, labels, None, order, seed, first_batch, iterator, batch)
-
-
-def _float(x):
-  return tf.cast(x, tf.float32) / 255.0
 
 
 def load(mnist_splits, max_shift=PAIR_SHIFT, seeds=(1, 2)):

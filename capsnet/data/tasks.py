@@ -1,9 +1,11 @@
-"""A task per data set, chosen once from --dataset: its splits, its training
-and evaluation pipelines (one `mnist.Pipeline` type), the feed of an epoch,
-the fixed batch of the gradient diagnostic and whether an image holds one
-digit or two. The programs ask the task; no other module compares data set
-names (but config.py, which maps the flags to a task) or guesses from a
-label's rank.
+"""A task per data set, chosen once from --dataset: its image size, its
+splits, its training and evaluation pipelines (one `mnist.Pipeline` type),
+the order and feed of an epoch, the fixed batch of the gradient diagnostic,
+the model's heads it needs (`heads`, a name of `network.HEADS`: the losses,
+decoder and prediction), its metric (`score`), eval.py's pictures
+(`pictures`) and the study's x axis (`progress`). The programs ask the task;
+no other module compares data set names (but config.py, which maps the
+flags to a task) or guesses from a label's rank.
 
 - `Digits`: MNIST and Fashion-MNIST, one label an image; training images are
   fed in the epoch's order and shifted by up to 2 pixels.
@@ -12,22 +14,52 @@ label's rank.
   validation and test are fixed pairs with their two reconstruction targets.
 
 The data modules (and TensorFlow with them) are imported when a task first
-reads or pipes data, so that `two_digits` answers without them (the study).
+reads or pipes data, so that its attributes answer without them (the study).
 """
 import importlib
+
+import numpy as np
 
 
 def _module(name):
   return importlib.import_module(f"capsnet.data.{name}")
 
 
-class Digits:
+class _Task:
+  """What every task shares: the order of an epoch."""
+
+  def epoch_order(self, n, seed, epoch, batch_size, shard):
+    """The order of the `n` training examples in epoch `epoch`, fixed by
+    (seed, epoch), and worker `shard` = (index, count)'s part of it: of each
+    step's `count * batch_size` examples, its `batch_size`."""
+    mnist = _module("mnist")
+    return mnist.shard_order(mnist.epoch_order(n, seed, epoch), batch_size, *shard)
+
+
+class Digits(_Task):
   """A data set of one digit (or garment) an image: MNIST, Fashion-MNIST."""
-  two_digits = False
+  heads = "one_digit"
+  image_size = 28
+  pictures = "figure4"       # eval.py: reconstructions and Figure 4
+  progress = "epoch"         # the study's x axis: epochs
 
   def __init__(self, name):
     self.name = name
     self.files = name          # data/<files>/ holds its four .gz files
+    self.has_affine = name == "mnist"   # the affine test set is made from it
+
+  def score(self, lengths, predictions, labels):
+    """The metric of (capsule lengths, predictions) against `labels` [n]:
+    accuracy, error_percent, per_class_accuracy, confusion (rows = label,
+    columns = prediction)."""
+    num_classes = lengths.shape[-1]
+    correct = predictions == labels
+    confusion = np.zeros([num_classes, num_classes], np.int64)
+    np.add.at(confusion, (labels, predictions), 1)
+    per_class = confusion.diagonal() / np.maximum(confusion.sum(1), 1)
+    return {"accuracy": float(correct.mean()),
+            "error_percent": float(100.0 * (1.0 - correct.mean())),
+            "per_class_accuracy": per_class.tolist(), "confusion": confusion.tolist()}
 
   def load(self, data_dir, val_size, download):
     """dict split -> (images uint8 [n, h, w, c], labels [n])."""
@@ -50,8 +82,10 @@ class Digits:
     return {pipe.images: images[order], pipe.labels: labels[order]}
 
   def fixed_batch(self, splits):
-    """The gradient diagnostic's batch: the first 32 training images."""
-    return tuple(a[:32] for a in splits["train"])
+    """The gradient diagnostic's batch: the first 32 training images
+    (images, labels, targets None)."""
+    images, labels = splits["train"]
+    return images[:32], labels[:32], None
 
   def affine_split(self, splits, max_rotation_deg=None):
     """(images, labels) of the affine test set (`affine`), made from the test
@@ -60,7 +94,7 @@ class Digits:
 
     Raises: ValueError for another data set.
     """
-    if self.name != "mnist":
+    if not self.has_affine:
       raise ValueError(f"--split=affine: the affine test set is made from MNIST's test "
                        f"images, not from --dataset={self.name}'s")
     affine = _module("affine")
@@ -71,12 +105,27 @@ class Digits:
     return affine.make(images, ranges)[0], labels
 
 
-class DigitPairs:
+class DigitPairs(_Task):
   """MultiMNIST: two overlapping MNIST digits an image (Section 6), each
   shifted by up to `pair_shift` pixels."""
-  two_digits = True
+  heads = "two_digits"
   name = "multimnist"
   files = "mnist"
+  pictures = "figure5"       # eval.py: the paper's Figure 5
+  progress = "pairs"         # the study's x axis: training pairs seen
+  has_affine = False
+
+  @property
+  def image_size(self):
+    return _module("multimnist").CANVAS
+
+  def score(self, lengths, predictions, labels):
+    """The paper's metric (`multimnist.top2_scores`): accuracy and
+    error_percent of exact pairs, at_least_one; no per-class figures."""
+    del predictions
+    exact, one = _module("multimnist").top2_scores(lengths, labels)
+    return {"accuracy": exact, "error_percent": 100.0 * (1.0 - exact),
+            "at_least_one": one}
 
   def __init__(self, pair_shift=None):
     self.pair_shift = pair_shift   # None: multimnist.PAIR_SHIFT
@@ -91,9 +140,9 @@ class DigitPairs:
     return _module("multimnist").load(mnist, self._shift())
 
   def train_pipeline(self, image_shape, batch_size, shard):
-    del image_shape
-    if shard != (0, 1):
-      raise ValueError("--dataset=multimnist does not run on a cluster yet")
+    """Pairs drawn on the fly; one process only (config.py refuses a cluster:
+    `config.check_cluster`)."""
+    del image_shape, shard
     return _module("multimnist").train_pipeline(batch_size, self._shift())
 
   def eval_pipeline(self, image_shape, batch_size):
@@ -105,7 +154,8 @@ class DigitPairs:
     return {pipe.images: digits, pipe.labels: labels, pipe.order: order}
 
   def fixed_batch(self, splits):
-    """The first 32 validation pairs (fixed, unlike the training pairs)."""
+    """The first 32 validation pairs (fixed, unlike the training pairs):
+    (images, labels [32, 2], targets [32, 2, h, w, 1])."""
     return tuple(a[:32] for a in splits["validation"])
 
   def affine_split(self, splits, max_rotation_deg=None):

@@ -135,36 +135,37 @@ Outputs = collections.namedtuple("Outputs", [
 ])
 
 
-def forward(images, labels, cfg, training, digit_caps=layers.digit_caps, device=None,
-            targets=None, two_digits=False):
+def forward(images, labels, cfg, training, device=None, targets=None, heads="one_digit"):
   """Builds CapsNet on `images` in variable scope `capsnet` (AUTO_REUSE).
 
   Calling it again (another tower, an eval graph) reuses the same variables.
 
   Args:
     images: `[batch, image_size, image_size, image_channels]` in [0, 1].
-    labels: `[batch]` int class ids, or with `two_digits` `[batch, 2]`: two
-      digits of different classes an image (MultiMNIST, Section 6).
+    labels: `[batch]` int class ids, or with the two-digit heads `[batch, 2]`:
+      two digits of different classes an image (MultiMNIST, Section 6).
     cfg: a `ModelConfig`.
     training: if True the decoder sees the capsules masked by the true label,
       otherwise by the predicted class (two digits: by each label in turn,
       or each of the two longest capsules).
     targets: with `[batch, 2]` labels and the decoder: `[batch, 2, h, w, c]`
       in [0, 1], each digit alone, the reconstruction targets.
-    digit_caps: the DigitCaps layer, with the signature and results of
-      `layers.digit_caps` (the benchmark passes its naive baseline).
     device: the device the model is placed on, for `conv_impl="auto"`.
-    two_digits: the task's images hold two digits (`tasks.DigitPairs`).
+    heads: the name of the task's `HEADS` (the task's `heads`): the losses,
+      decoder and prediction on the digit capsules.
   Returns: an `Outputs` tuple.
   Raises:
     ValueError: if `images` or `labels` do not have the shapes the config
       and the task give, or two digits an image come without targets for
       the decoder.
   """
-  if labels.shape.rank != (2 if two_digits else 1):
-    raise ValueError(f"forward: labels must be [batch{', 2' if two_digits else ''}] "
-                     f"with two_digits={two_digits}, got shape {labels.shape}")
-  if two_digits and cfg.use_decoder and targets is None:
+  if heads not in HEADS:
+    raise ValueError(f"forward: heads={heads!r}: expected one of {sorted(HEADS)}")
+  head = HEADS[heads]
+  if labels.shape.rank != head.label_rank:
+    raise ValueError(f"forward: labels must be [batch{', 2' if head.label_rank == 2 else ''}] "
+                     f"with heads={heads!r}, got shape {labels.shape}")
+  if head.targets and cfg.use_decoder and targets is None:
     raise ValueError("forward: two labels an image need the two targets")
   expected = [cfg.image_size, cfg.image_size, cfg.image_channels]
   if images.shape.rank != 4 or images.shape[1:].as_list() != expected:
@@ -182,31 +183,36 @@ def forward(images, labels, cfg, training, digit_caps=layers.digit_caps, device=
     u = layers.primary_caps(x, cfg.primary_types, cfg.primary_dim,
                             cfg.primary_kernel, cfg.primary_stride, precision,
                             conv_impl, official, plan.get("primary_caps"))  # [b, i, k]
-    # (`official` only when set: the benchmark's baseline DigitCaps has none)
-    official_caps = {"official": True} if official else {}
-    v, couplings, u_hat = digit_caps(u, cfg.num_classes, cfg.digit_dim,
-                                     cfg.iter_routing, cfg.stop_gradient,
-                                     **official_caps)
+    v, couplings, u_hat = layers.digit_caps(u, cfg.num_classes, cfg.digit_dim,
+                                            cfg.iter_routing, cfg.stop_gradient, official)
     lengths = routing.safe_norm(v)                   # [b, o]
-    if two_digits:
-      predictions, recon, margin, recon_loss, accuracy = _two_digit_heads(
-          v, lengths, labels, tf.cast(targets, precision.variables) if cfg.use_decoder else None,
-          cfg, training)
-    else:
-      predictions = tf.argmax(lengths, axis=1, output_type=tf.int32)
-      margin = losses.margin_loss(lengths, labels, cfg.m_plus, cfg.m_minus,
-                                  cfg.down_weight)
-      if cfg.use_decoder:
-        recon = _masked_decoder(v, labels if training else predictions, cfg)
-        recon_loss = losses.reconstruction_loss(recon, images, cfg.recon_weight)
-      else:
-        recon = None
-        recon_loss = tf.zeros_like(margin)
-      accuracy = tf.cast(tf.equal(predictions, labels), precision.variables)
+    recon_targets = images
+    if head.targets:
+      recon_targets = tf.cast(targets, precision.variables) if cfg.use_decoder else None
+    predictions, recon, margin, recon_loss, accuracy = head.build(
+        v, lengths, labels, recon_targets, cfg, training)
     loss = tf.reduce_mean(margin + recon_loss, name="loss")
     accuracy = tf.reduce_mean(accuracy, name="accuracy")
   return Outputs(u, u_hat, list(couplings), v, lengths, predictions, recon,
                  margin, recon_loss, loss, accuracy)
+
+
+def _one_digit_heads(v, lengths, labels, images, cfg, training):
+  """The paper's heads (Section 3, 4.1): the margin loss for the label; the
+  decoder on the label's capsule (the predicted one outside training), its
+  loss against the image; the longest capsule as the prediction.
+
+  Returns: (predictions `[b]`, reconstructions `[b, pixels]` or None,
+    margin loss `[b]`, reconstruction loss `[b]`, correct `[b]`).
+  """
+  predictions = tf.argmax(lengths, axis=1, output_type=tf.int32)
+  margin = losses.margin_loss(lengths, labels, cfg.m_plus, cfg.m_minus, cfg.down_weight)
+  recon, recon_loss = None, tf.zeros_like(margin)
+  if cfg.use_decoder:
+    recon = _masked_decoder(v, labels if training else predictions, cfg)
+    recon_loss = losses.reconstruction_loss(recon, images, cfg.recon_weight)
+  return predictions, recon, margin, recon_loss, tf.cast(tf.equal(predictions, labels),
+                                                         v.dtype)
 
 
 def _two_digit_heads(v, lengths, labels, targets, cfg, training):
@@ -233,6 +239,14 @@ def _two_digit_heads(v, lengths, labels, targets, cfg, training):
   hits = tf.reduce_sum(tf.cast(tf.reduce_any(
       tf.equal(top2[:, :, None], labels[:, None, :]), axis=2), tf.int32), axis=1)
   return top2, recon, margin, recon_loss, tf.cast(tf.equal(hits, 2), v.dtype)
+
+
+# The heads a task picks by name (`tasks`' `heads`): what builds them, the
+# rank of the labels, and whether the decoder needs the targets (each digit
+# alone) instead of the image.
+Heads = collections.namedtuple("Heads", ["build", "label_rank", "targets"])
+HEADS = {"one_digit": Heads(_one_digit_heads, 1, False),
+         "two_digits": Heads(_two_digit_heads, 2, True)}
 
 
 def decode(v, classes, cfg):
@@ -286,7 +300,7 @@ def _placement(variable_device, compute_device):
 
 
 def tower_gradients(images, labels, cfg, optimizer, devices, variable_device=None,
-                    targets=None, two_digits=False):
+                    targets=None, heads="one_digit"):
   """Splits the batch over towers and computes each tower's gradients.
 
   Towers are `tower_{i}` name scopes over one reused `capsnet` variable
@@ -297,7 +311,7 @@ def tower_gradients(images, labels, cfg, optimizer, devices, variable_device=Non
   Args:
     images, labels: the whole batch; its size must divide by len(devices).
     targets: the MultiMNIST reconstruction targets of the batch, or None.
-    two_digits: two labels an image (see `forward`).
+    heads: the task's heads (see `forward`).
     variable_device: where the variables go whatever the number of towers
       (a device, or a device function: the ps tasks of a cluster), or None.
     devices: one device string per tower, e.g. ["/gpu:0", "/gpu:1"].
@@ -318,7 +332,7 @@ def tower_gradients(images, labels, cfg, optimizer, devices, variable_device=Non
     with tf.compat.v1.device(_placement(variables_at, device)), \
         tf.name_scope(f"tower_{i}"):
       out = forward(image_parts[i], label_parts[i], cfg, training=True,
-                    device=device, targets=target_parts[i], two_digits=two_digits)
+                    device=device, targets=target_parts[i], heads=heads)
       all_grads.append(optimizer.compute_gradients(
           out.loss, colocate_gradients_with_ops=True))
       outputs.append(out)
@@ -358,7 +372,7 @@ DIAG_VARS = ("digit_caps/weights", "primary_caps/weights", "conv1/weights")
 
 
 def gradient_diagnostic(images, labels, cfg, device=None, targets=None,
-                        two_digits=False):
+                        heads="one_digit"):
   """How much of the gradient flows through the routing coefficients.
 
   Builds the model twice on the same variables and batch, with the stop on
@@ -372,7 +386,7 @@ def gradient_diagnostic(images, labels, cfg, device=None, targets=None,
     mode = dataclasses.replace(cfg, stop_gradient=stop)
     with tf.name_scope(f"diag_stop_{stop}"):
       out = forward(images, labels, mode, training=True, device=device,
-                    targets=targets, two_digits=two_digits)
+                    targets=targets, heads=heads)
     variables = {v.op.name: v for v in tf.compat.v1.trainable_variables()}
     wrt = [variables["capsnet/" + n] for n in DIAG_VARS]
     grads[stop] = tf.gradients(out.loss, wrt)

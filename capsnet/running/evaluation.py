@@ -8,13 +8,12 @@ import collections
 import numpy as np
 import tensorflow as tf
 
-from capsnet.data import multimnist
 from capsnet.data import tasks
 from capsnet.model import network
 
 EvalGraph = collections.namedtuple(
     "EvalGraph", ["images", "labels", "iterator", "outputs", "batch_images", "targets",
-                  "routing", "two_digits"])
+                  "routing", "task"])
 
 
 def build(cfg, batch_size, device=None, task=None, routing_stats=False):
@@ -36,10 +35,10 @@ def build(cfg, batch_size, device=None, task=None, routing_stats=False):
   with tf.compat.v1.device(device), tf.name_scope("eval"):
     outputs = network.forward(batch_images, batch_labels, cfg, training=False,
                             device=device, targets=batch_targets,
-                            two_digits=task.two_digits)
+                            heads=task.heads)
     routing = routing_movement(outputs.couplings) if routing_stats else None
   return EvalGraph(pipe.images, pipe.labels, pipe.iterator, outputs, batch_images,
-                   pipe.targets, routing, task.two_digits)
+                   pipe.targets, routing, task)
 
 
 def routing_movement(couplings):
@@ -64,13 +63,12 @@ def run(sess, graph, images, labels, targets=None):
     (rows = label, columns = prediction), and the per-example predictions,
     lengths, margin_loss and recon_loss. A graph built with routing_stats
     adds routing_entropy and routing_max_c: per iteration, the means over
-    examples of `routing_movement`. With two labels an image
-    (MultiMNIST): accuracy is the share whose two longest capsules are
-    exactly the labels, at_least_one the share with one of them right; no
-    per-class figures.
+    examples of `routing_movement`. The metric is the task's (`score`):
+    for MultiMNIST accuracy is the share whose two longest capsules are
+    exactly the labels, at_least_one the share with one of them right, and
+    no per-class figures.
   """
   out = graph.outputs
-  num_classes = out.lengths.shape[-1]
   fetch = {"predictions": out.predictions, "lengths": out.lengths,
            "margin_loss": out.margin_loss, "recon_loss": out.recon_loss}
   if graph.routing is not None:
@@ -96,18 +94,7 @@ def run(sess, graph, images, labels, targets=None):
   for key in ("routing_entropy", "routing_max_c"):
     if key in res:   # per example and iteration -> per iteration
       res[key] = res[key].mean(axis=0).tolist()
-  if graph.two_digits:
-    exact, one = multimnist.top2_scores(res["lengths"], labels)
-    res.update(accuracy=exact, error_percent=100.0 * (1.0 - exact), at_least_one=one)
-    return res
-  correct = res["predictions"] == labels
-  confusion = np.zeros([num_classes, num_classes], np.int64)
-  np.add.at(confusion, (labels, res["predictions"]), 1)
-  per_class = confusion.diagonal() / np.maximum(confusion.sum(1), 1)
-  res.update(
-      accuracy=float(correct.mean()),
-      error_percent=float(100.0 * (1.0 - correct.mean())),
-      per_class_accuracy=per_class.tolist(), confusion=confusion.tolist())
+  res.update(graph.task.score(res["lengths"], res["predictions"], labels))
   return res
 
 

@@ -73,19 +73,43 @@ class RunState:
     self._vars["best_averaged"] = var
     self._feeds["best_averaged"] = feed
 
+  def add_savers(self):
+    """The checkpoints' savers, built once the graph holds every variable:
+    latest/ keeps two, best/ one, and one without the `optional` state (to
+    restore a checkpoint written before it existed)."""
+    self.savers = {
+        "latest": tf.compat.v1.train.Saver(max_to_keep=2, save_relative_paths=True),
+        "best": tf.compat.v1.train.Saver(max_to_keep=1, save_relative_paths=True)}
+    self._saver_without_optional = tf.compat.v1.train.Saver(
+        [v for v in tf.compat.v1.global_variables() if v not in self.optional])
+    self._init_optional = tf.compat.v1.variables_initializer(self.optional)
+
   def load(self, sess):
     """The position held by the variables (after a restore or an init)."""
     values = sess.run({"step": self.global_step, **self._vars})
     return Position(**{k: v.item() for k, v in values.items()})
 
-  def save(self, sess, saver, folder, pos):
-    """Writes `pos` into the variables, then a checkpoint into `folder`."""
+  def save(self, sess, which, folder, pos):
+    """Writes `pos` into the variables, then a checkpoint into `folder` with
+    the saver of `which` ("latest" or "best")."""
     sess.run(self._assign, {self._feeds[k]: getattr(pos, k) for k in self._vars})
-    return saver.save(sess, os.path.join(folder, runs.CHECKPOINT_PREFIX), self.global_step,
-                      write_meta_graph=False)
+    return self.savers[which].save(sess, os.path.join(folder, runs.CHECKPOINT_PREFIX),
+                                   self.global_step, write_meta_graph=False)
+
+  def restore(self, sess, ckpt):
+    """Restores every variable; state a checkpoint lacks (written before that
+    state existed) starts at its default."""
+    runs.check_matches(ckpt, sess.graph.get_collection(
+        tf.compat.v1.GraphKeys.TRAINABLE_VARIABLES))
+    names = set(tf.train.load_checkpoint(ckpt).get_variable_to_shape_map())
+    if all(v.op.name in names for v in self.optional):
+      self.savers["latest"].restore(sess, ckpt)
+    else:
+      self._saver_without_optional.restore(sess, ckpt)
+      sess.run(self._init_optional)
 
 
-def restore_or_init(sess, g, folder):
+def restore_or_init(sess, state, init, folder):
   """Restores the newest intact checkpoint of latest/ (or best/), or, in a
   logdir without checkpoints, initialises the variables.
 
@@ -95,7 +119,8 @@ def restore_or_init(sess, g, folder):
   diagnostics.jsonl written after the restored step are dropped: the run
   writes them again.
   Args:
-    g: train.py's graph (its state, savers and initialisers).
+    state: the graph's `RunState` (its savers built).
+    init: the graph's initialiser of every variable.
     folder: the `runs.RunFolder`.
   Returns: (the run's `Position`, whether a checkpoint was restored).
   Raises: runs.RunError if there are checkpoints but none is intact.
@@ -107,13 +132,14 @@ def restore_or_init(sess, g, folder):
     raise runs.RunError(f"{folder.path}: no intact checkpoint ({len(damaged)} "
                         "damaged); move the logdir away to start again")
   if ckpt is None:   # (rows of an attempt killed before its first save go)
-    sess.run(g.init)
+    sess.run(init)
     folder.drop_rows_after(0)
-    return g.state.load(sess), False
-  restore(sess, g, ckpt)
+    return state.load(sess), False
+  state.restore(sess, ckpt)
   print(f"Resuming from {ckpt}")
-  pos = g.state.load(sess)
-  for saver, which in zip((g.saver_latest, g.saver_best), runs.CHECKPOINT_FOLDERS):
+  pos = state.load(sess)
+  for which in runs.CHECKPOINT_FOLDERS:
+    saver = state.savers[which]
     kept = [p for p in folder.checkpoints(which) if runs.step_of(p) <= pos.step
             and p not in dict(damaged)]
     saver.recover_last_checkpoints(kept)   # so that it deletes them in turn
@@ -122,15 +148,3 @@ def restore_or_init(sess, g, folder):
   folder.drop_rows_after(pos.step)
   return pos, True
 
-
-def restore(sess, g, ckpt):
-  """Restores every variable; state a checkpoint lacks (written before that
-  state existed) starts at its default."""
-  runs.check_matches(ckpt, [v for v in g.graph.get_collection(
-      tf.compat.v1.GraphKeys.TRAINABLE_VARIABLES)])
-  names = set(tf.train.load_checkpoint(ckpt).get_variable_to_shape_map())
-  if all(v.op.name in names for v in g.state.optional):
-    g.saver_latest.restore(sess, ckpt)
-  else:
-    g.saver_without_optional.restore(sess, ckpt)
-    sess.run(g.init_optional)

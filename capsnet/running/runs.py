@@ -13,9 +13,18 @@
   affine_results.json  the best checkpoint scored on the affine test set, with
                      the severity sweep (capsnet.study --grid=short)
   train.lock         held by the one trainer writing the folder
+  events.out.tfevents.*  TensorBoard's (train.py)
+  eval_<checkpoint>_r<r>_<split>/  eval.py's output for one checkpoint, routing
+                     count and split (`EvalFolder`): results.json,
+                     predictions.csv, reconstructions.png, figure4.png (or
+                     figure5.png, MultiMNIST)
+  own_images/        eval.py --images: a picture and a routing picture a file
+  routing_r<r>/, eval_affine/  eval.py's output for the study's routing.json and
+                     affine_results.json (`EvalFolder`s)
 
-`RunFolder` writes and reads all of it (train.py, eval.py, capsnet.study,
-capsnet.pretrained go through it); the functions below find the checkpoint a
+`RunFolder` and `EvalFolder` write and read all of it (train.py, eval.py,
+capsnet.study and capsnet.pretrained go through them; TensorBoard's events
+are TensorFlow's FileWriter's); the functions below find the checkpoint a
 path names, check that a checkpoint fits a graph and tell an intact
 checkpoint from a damaged one. TensorFlow is imported where a checkpoint is
 read (`_tf`), so that reading a folder's rows (capsnet.study) starts fast.
@@ -25,6 +34,7 @@ import datetime
 import fcntl
 import json
 import os
+import shutil
 import socket
 import tempfile
 
@@ -275,6 +285,84 @@ class RunFolder:
     """host.json, or None."""
     return _read_json(self.file(HOST_FILE))
 
+  def copy_small_files(self, target):
+    """Copies the `SMALL_FILES` there are (never checkpoints) into the folder
+    `target` (created), as the study publishes a run."""
+    os.makedirs(target, exist_ok=True)
+    for name in SMALL_FILES:
+      if os.path.exists(self.file(name)):
+        shutil.copyfile(self.file(name), os.path.join(target, name))
+
+  # -- what eval.py writes inside it
+
+  def eval_folder(self, checkpoint, iter_routing, split):
+    """eval.py's default output folder for `checkpoint` scored with
+    `iter_routing` on `split`: eval_<checkpoint name>_r<r>_<split>/."""
+    return EvalFolder(self.file(
+        f"eval_{os.path.basename(checkpoint)}_r{iter_routing}_{split}"))
+
+  def own_images_folder(self):
+    """eval.py --images's default output folder: own_images/."""
+    return EvalFolder(self.file(OWN_IMAGES_FOLDER))
+
+
+OWN_IMAGES_FOLDER = "own_images"
+EVAL_RESULTS_FILE = "results.json"
+PREDICTIONS_FILE = "predictions.csv"
+
+
+class EvalFolder:
+  """What eval.py writes for one checkpoint and split (by default inside the
+  run folder: `RunFolder.eval_folder`, `RunFolder.own_images_folder`; or
+  any --out_dir): results.json, predictions.csv (one row an example:
+  index, label(s), prediction(s), the capsule lengths), and the pictures."""
+
+  def __init__(self, path):
+    self.path = path
+
+  def file(self, name):
+    return os.path.join(self.path, name)
+
+  def write_results(self, result):
+    files.write_json(self.file(EVAL_RESULTS_FILE), result)
+
+  def results(self):
+    """results.json. Raises: RunError if it is missing or not JSON."""
+    path = self.file(EVAL_RESULTS_FILE)
+    if not os.path.exists(path):
+      raise RunError(f"{path}: missing")
+    try:
+      return _read_json(path)
+    except ValueError as e:
+      raise RunError(f"{path}: not a valid results.json ({e})") from None
+
+  def write_predictions(self, labels, predictions, lengths):
+    """predictions.csv; `labels` and `predictions` [n] (one digit an image)
+    or [n, 2] (two: columns label_a, label_b, prediction_a, prediction_b)."""
+    two = labels.ndim == 2
+    names = (["label_a", "label_b", "prediction_a", "prediction_b"] if two
+             else ["label", "prediction"])
+    lines = [",".join(["index", *names, *(f"length_{k}" for k in range(lengths.shape[1]))])]
+    for i, (y, p, lens) in enumerate(zip(labels, predictions, lengths)):
+      ids = [*y, *p] if two else [y, p]
+      lines.append(",".join([str(i), *map(str, ids), *(f"{x:.5f}" for x in lens)]))
+    files.atomic_write(self.file(PREDICTIONS_FILE), "\n".join(lines) + "\n")
+
+  def predictions(self):
+    """predictions.csv as columns: {name: [values]} (ints, lengths floats).
+    Raises: RunError if it is missing or its rows do not fit its header."""
+    path = self.file(PREDICTIONS_FILE)
+    try:
+      with open(path) as f:
+        head, *rows = [line.split(",") for line in f.read().splitlines() if line]
+      columns = {name: [(float if name.startswith("length_") else int)(r[k])
+                        for r in rows] for k, name in enumerate(head)}
+    except OSError as e:
+      raise RunError(f"{path}: cannot read ({e.strerror})") from None
+    except (ValueError, IndexError) as e:
+      raise RunError(f"{path}: not a valid predictions.csv ({e})") from None
+    return columns
+
 
 def _same(path, field, before, value):
   before = tuple(before) if isinstance(before, list) else before
@@ -370,11 +458,6 @@ def resolve(path, which):
     if os.path.exists(RunFolder(run_dir).file(CONFIG_FILE)):
       return path, run_dir
   raise RunError(f"{path}: no config.json beside the checkpoint or one folder up")
-
-
-def load_config(run_dir):
-  """(ModelConfig, trainer settings dict) from <run_dir>/config.json."""
-  return RunFolder(run_dir).load_config()
 
 
 # The name of a variable's exponential moving average (train.py --ema_decay).

@@ -14,6 +14,7 @@ import os
 
 import tensorflow as tf
 
+from capsnet.data import mnist
 from capsnet.model import network
 from capsnet.running import runs
 
@@ -22,7 +23,7 @@ def _graph(cfg):
   """In the default graph: the images placeholder and the named outputs."""
   shape = [None, cfg.image_size, cfg.image_size, cfg.image_channels]
   images = tf.compat.v1.placeholder(tf.uint8, shape, name="images")
-  x = tf.cast(images, tf.float32) / 255.0
+  x = mnist.pixels(images)
   out = network.forward(x, tf.zeros(tf.shape(images)[:1], tf.int32), cfg, training=False)
   outputs = {"classes": tf.identity(out.predictions, name="classes"),
              "lengths": tf.identity(out.lengths, name="lengths")}
