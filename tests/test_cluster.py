@@ -116,6 +116,25 @@ def test_bad_cluster_description_is_one_line(args, message):
 CLUSTER = ["--ps_hosts=localhost:1", "--worker_hosts=localhost:2", "--job_name=worker"]
 
 
+def test_the_role_is_chosen_once_from_the_cluster():
+  """roles.choose: one process writes and plans; the chief writes, not
+  plans; another worker neither, and relays stop signals; a ps serves."""
+  from capsnet.running import roles
+  spec = {"ps": ["localhost:1"], "worker": ["localhost:2", "localhost:3"]}
+  one = roles.choose(None)
+  chief = roles.choose(cluster_spec.ClusterInfo(spec, "worker", 0))
+  worker = roles.choose(cluster_spec.ClusterInfo(spec, "worker", 1))
+  ps = roles.choose(cluster_spec.ClusterInfo(spec, "ps", 0))
+  assert [type(r).__name__ for r in (one, chief, worker, ps)] == [
+      "OneProcess", "Chief", "Worker", "Ps"]
+  assert [r.writes for r in (one, chief, worker, ps)] == [True, True, False, False]
+  assert [r.serves for r in (one, chief, worker, ps)] == [False, False, False, True]
+  assert (one.plans, chief.plans, worker.plans) == (True, False, False)
+  assert [(r.index, r.workers) for r in (one, chief, worker)] == [(0, 1), (0, 2), (1, 2)]
+  assert not one.stop_request().relay and worker.stop_request().relay
+  assert one.task_errors == () and tf.errors.UnavailableError in worker.task_errors
+
+
 @pytest.mark.parametrize("arg,message", [
     ("--dataset=multimnist", "--dataset=multimnist does not run on a cluster yet"),
     ("--ema_decay=0.999", "--ema_decay=0.999: weight averaging does not run on a "
