@@ -170,7 +170,9 @@ def evaluate_split(cfg, ckpt, run_dir, train_settings, s):
   splits = task.load(s.data_dir or config.default_data_dir(dataset), val_size, s.download)
   if s.split == "affine":
     splits["affine"] = task.affine_split(splits)
-    sweep = [(deg, task.affine_split(splits, deg)) for deg in sweep]
+    # A sweep's point at the set's own largest rotation is the set itself.
+    sweep = [(deg, splits["affine"] if deg == affine.AFFNIST.rotation_deg
+              else task.affine_split(splits, deg)) for deg in sweep]
   s = dataclasses.replace(s, dataset=dataset, out_dir=s.out_dir or runs.RunFolder(
       run_dir).eval_folder(ckpt, cfg.iter_routing, s.split).path)
   make_writable_folder(s.out_dir)
