@@ -283,7 +283,8 @@ class Settings:
   progress: bool
   adopt_checkpoints: bool   # resume checkpoints that have no config.json
   cluster: cluster_spec.ClusterInfo   # None: one process
-  workers: int              # workers training together (1: one process)
+  workers: int              # workers training together (1: one process), as
+                            # config.json records it; the loop reads the role's
   sync: bool                # a cluster's updates: synchronous
   cluster_wait_secs: int
   replan: bool = False      # measure the convolution plan again on resume

@@ -253,11 +253,11 @@ def train_epochs(run, pos):
 
 def steps_per_epoch(run):
   """Steps an epoch: a step takes --batch_size examples from each worker."""
-  return len(run.splits["train"][0]) // (run.s.batch_size * run.s.workers)
+  return len(run.splits["train"][0]) // (run.s.batch_size * run.role.workers)
 
 
 def epoch_images(run):
-  return steps_per_epoch(run) * run.s.batch_size * run.s.workers
+  return steps_per_epoch(run) * run.s.batch_size * run.role.workers
 
 
 def out_of_steps(s, pos):
@@ -299,10 +299,10 @@ def run_epoch(run, pos):
   settings ask). Returns: the `EpochStats` of the steps it ran.
   """
   sess, g, s = run.sess, run.g, run.s
-  task = s.task()
+  task, workers = s.task(), run.role.workers
   order = task.epoch_order(len(run.splits["train"][1]), s.seed, pos.epoch, s.batch_size,
-                           (run.role.index, s.workers))[pos.examples // s.workers:]
-  done_batches = pos.examples // (s.batch_size * s.workers)
+                           (run.role.index, workers))[pos.examples // workers:]
+  done_batches = pos.examples // (s.batch_size * workers)
   feed = {g.input.seed: s.seed * 100003 + pos.epoch, g.input.first_batch: done_batches,
           **task.epoch_feed(g.input, run.splits["train"], order)}
   sess.run(g.input.iterator.initializer, feed)
@@ -341,11 +341,11 @@ def train_step(run, pos, stats):
     raise TrainingError(
         f"loss is {loss} at step {pos.step}; stopped without saving, the last "
         f"good checkpoint is {runs.RunFolder(s.logdir).latest_checkpoint('latest')}")
-  pos.examples += s.batch_size * s.workers
+  pos.examples += s.batch_size * run.role.workers
   pos.loss_sum += float(loss)
   pos.accuracy_sum += float(accuracy)
   pos.summed_steps += 1
-  stats.images += s.batch_size * s.workers
+  stats.images += s.batch_size * run.role.workers
   stats.last_loss, stats.last_accuracy = loss, accuracy
   if want_summary:
     run.writer.add_summary(res["summary"], pos.step)
