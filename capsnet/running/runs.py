@@ -34,7 +34,6 @@ import datetime
 import fcntl
 import json
 import os
-import shutil
 import socket
 import tempfile
 
@@ -287,11 +286,13 @@ class RunFolder:
 
   def copy_small_files(self, target):
     """Copies the `SMALL_FILES` there are (never checkpoints) into the folder
-    `target` (created), as the study publishes a run."""
+    `target` (created), as the study publishes a run; each file is written
+    whole or not at all (a crash leaves the earlier copy)."""
     os.makedirs(target, exist_ok=True)
     for name in SMALL_FILES:
       if os.path.exists(self.file(name)):
-        shutil.copyfile(self.file(name), os.path.join(target, name))
+        with open(self.file(name), "rb") as f:
+          files.atomic_write(os.path.join(target, name), f.read())
 
   # -- what eval.py writes inside it
 
