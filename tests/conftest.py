@@ -140,6 +140,59 @@ def last_line(proc):
 
 # 320 training images of 32: 10 steps an epoch.
 QUICK = [*SMALL, "--train_size=320"]
+# Three such epochs, a checkpoint every step: the uninterrupted reference of
+# the kill and preemption tests (`trained_once`), and a trained run to score.
+THREE_EPOCHS = [*QUICK, "--epochs=3", "--save_every=1", "--summary_every=1000"]
+# One epoch of 50 steps on 1,600 images (about 80% validation accuracy) with
+# two towers on the CPU, summaries and diagnostics: the run the training
+# tests read, and the model the usage tests classify with (`trained_once`).
+TWO_TOWERS = [*SMALL, "--epochs=1", "--train_size=1600", "--learning_rate=0.01",
+              "--summary_every=5", "--num_gpus=2", "--device=/cpu:0", "--diag_every=25"]
+
+
+@pytest.fixture(scope="session")
+def trained_once(tmp_path_factory):
+  """`trained_once(*flags)`: the run folder of `train_here(*flags)`, trained
+  once for the whole session: under pytest-xdist the first worker to ask
+  trains it (a file lock in the workers' common temporary folder) and the
+  others wait for it and read the same folder. Read only: a test that
+  changes a run copies it first (`copied_run`)."""
+  root = tmp_path_factory.getbasetemp()
+  if os.environ.get("PYTEST_XDIST_WORKER"):
+    root = root.parent   # pytest-of-<user>/pytest-<n>, shared by the workers
+  shared = root / "trained_once"
+  shared.mkdir(exist_ok=True)
+
+  def get(*flags):
+    import fcntl
+    import hashlib
+    import shutil
+    key = hashlib.sha256("\0".join(flags).encode()).hexdigest()[:16]
+    logdir, done = shared / key, shared / f"{key}.done"
+    with open(shared / f"{key}.lock", "w") as lock:
+      fcntl.flock(lock, fcntl.LOCK_EX)
+      if not done.exists():
+        if logdir.exists():   # a worker that failed while training it
+          shutil.rmtree(logdir)
+        proc = train_here(*flags, f"--logdir={logdir}")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        (shared / f"{key}.stdout").write_text(proc.stdout)
+        done.write_text(" ".join(flags))
+    return str(logdir)
+  return get
+
+
+def trained_stdout(logdir):
+  """What train.py printed while `trained_once` trained `logdir`."""
+  return open(logdir + ".stdout").read()
+
+
+def copied_run(source, folder):
+  """A copy of the run folder `source` at `folder` (a str), for a test that
+  changes it."""
+  import shutil
+  shutil.copytree(source, folder)
+  return folder
 
 
 def rows(logdir, name="metrics.jsonl"):

@@ -9,7 +9,7 @@ import pytest
 
 from capsnet.data import affine
 from capsnet.data import mnist
-from conftest import MNIST, QUICK, eval_here, last_line, needs_mnist, train_here
+from conftest import MNIST, THREE_EPOCHS, eval_here, last_line, needs_mnist
 
 
 def _digits(n=6, seed=0):
@@ -90,20 +90,18 @@ def test_mnist_affine_test_set_has_the_recorded_md5():
 
 
 @needs_mnist
-def test_eval_scores_the_affine_set_with_its_sweep(tmp_path):
-  logdir = str(tmp_path / "run")
-  proc = train_here(*QUICK, f"--logdir={logdir}", "--epochs=1")
-  assert proc.returncode == 0, proc.stderr[-3000:]
+def test_eval_scores_the_affine_set_with_its_sweep(tmp_path, trained_once):
+  logdir = trained_once(*THREE_EPOCHS)
   results = []
-  for k in range(2):
-    out = str(tmp_path / f"affine{k}")
-    proc = eval_here(f"--checkpoint={logdir}", "--split=affine", "--affine_sweep=0,20",
+  for sweep in (["--affine_sweep=0,20"], []):   # the same count twice, one sweep
+    out = str(tmp_path / f"affine{len(results)}")
+    proc = eval_here(f"--checkpoint={logdir}", "--split=affine", *sweep,
                      f"--out_dir={out}", "--num_images=2", "--figure4_images=1")
     assert proc.returncode == 0, proc.stderr[-3000:]
     results.append(json.load(open(os.path.join(out, "results.json"))))
   a, b = results
   assert a["split"] == "affine" and a["count"] == 10000
-  assert a["error_percent"] == b["error_percent"]
+  assert a["error_percent"] == b["error_percent"] and b["sweep"] == []
   assert a["affine"]["md5"] == affine.MD5[affine.MNIST_TEST_MD5]
   assert [r["max_rotation_deg"] for r in a["sweep"]] == [0, 20]
   # Rotation within 20 degrees with the other ranges affNIST's is the set itself.

@@ -15,8 +15,8 @@ import tensorflow as tf
 
 from capsnet.running import runs
 from capsnet.running import stopping
-from conftest import (QUICK, TIMING, last_line, latest_step, listed, needs_mnist, rows,
-                      start, train_here, wait_until, weights_sha256)
+from conftest import (QUICK, THREE_EPOCHS, TIMING, last_line, latest_step, listed,
+                      needs_mnist, rows, start, train_here, wait_until, weights_sha256)
 
 @needs_mnist
 def test_full_disk_while_saving_ends_in_one_line_and_listed_checkpoints_load(small_disk):
@@ -68,14 +68,12 @@ def test_ctrl_c_twice_no_traceback_and_listed_checkpoints_load(tmp_path):
 
 @pytest.mark.integration
 @needs_mnist
-def test_sigkill_at_random_moments_changes_nothing(tmp_path):
+def test_sigkill_at_random_moments_changes_nothing(tmp_path, trained_once):
   """A run killed (SIGKILL) several times, once while writing a checkpoint,
   and resumed each time ends with the uninterrupted run's weights, bit for
   bit, and its metrics rows (timing aside)."""
-  args = [*QUICK, "--epochs=3", "--save_every=1", "--summary_every=1000"]
-  reference = str(tmp_path / "reference")
-  proc = train_here(*args, f"--logdir={reference}")
-  assert proc.returncode == 0, proc.stderr[-3000:]
+  args = THREE_EPOCHS
+  reference = trained_once(*args)
   logdir = str(tmp_path / "killed")
   rng = random.Random(0)
   kills = 0

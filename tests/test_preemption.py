@@ -11,8 +11,9 @@ import pytest
 import tensorflow as tf
 
 from capsnet.running import runs
-from conftest import (QUICK, TIMING, eval_here, last_line, latest_step, listed,
-                      needs_mnist, rows, start, train_here, wait_until, weights_sha256)
+from conftest import (QUICK, THREE_EPOCHS, TIMING, eval_here, last_line, latest_step,
+                      listed, needs_mnist, rows, start, train_here, wait_until,
+                      weights_sha256)
 
 
 def _stop_with(sig, logdir, args, after_step):
@@ -29,10 +30,9 @@ def _stop_with(sig, logdir, args, after_step):
 
 @pytest.mark.integration
 @needs_mnist
-def test_sigterm_and_sighup_save_and_the_resume_is_bit_identical(tmp_path):
-  args = [*QUICK, "--epochs=3", "--save_every=1", "--summary_every=1000"]
-  reference = str(tmp_path / "reference")
-  assert train_here(*args, f"--logdir={reference}").returncode == 0
+def test_sigterm_and_sighup_save_and_the_resume_is_bit_identical(tmp_path, trained_once):
+  args = THREE_EPOCHS
+  reference = trained_once(*args)
   logdir = str(tmp_path / "preempted")
   for sig, status, after in ((signal.SIGTERM, 143, 3), (signal.SIGHUP, 129, 14)):
     before = latest_step(logdir)

@@ -16,28 +16,31 @@ PRETRAINED = os.path.join(ROOT, "pretrained", "r3_recon")
 TEST_ERRORS = 38   # `python eval.py --checkpoint pretrained/r3_recon` (README)
 
 
-def _shipped_result(images, labels):
-  """evaluation.run of the shipped weights on (images, labels), in float32
-  as their config.json says."""
+@pytest.fixture(scope="module")
+def shipped():
+  """`shipped(images, labels)`: evaluation.run of the shipped weights, in
+  float32 as their config.json says; one graph and session for the module."""
   ckpt, run = runs.resolve(PRETRAINED, "best")
   assert runs.damage(ckpt) is None
   cfg = runs.RunFolder(run).load_config()[0]
   assert cfg.precision == "fp32"
-  with tf.Graph().as_default():
+  graph = tf.Graph()
+  with graph.as_default():
     ev = evaluation.build(cfg, 500)
     runs.check_matches(ckpt, tf.compat.v1.global_variables())
-    with tf.compat.v1.Session() as sess:
-      tf.compat.v1.train.Saver().restore(sess, ckpt)
-      return evaluation.run(sess, ev, images, labels)
+    saver = tf.compat.v1.train.Saver()
+  with tf.compat.v1.Session(graph=graph) as sess:
+    saver.restore(sess, ckpt)
+    yield lambda images, labels: evaluation.run(sess, ev, images, labels)
 
 
 @needs_mnist
 @pytest.mark.skipif(not os.path.exists(os.path.join(PRETRAINED, "config.json")),
                     reason="no shipped weights")
 @pytest.mark.integration
-def test_shipped_weights_make_the_readme_number_of_test_errors():
+def test_shipped_weights_make_the_readme_number_of_test_errors(shipped):
   images, labels = mnist.load("mnist", MNIST, 5000, download_missing=False)["test"]
-  result = _shipped_result(images, labels)
+  result = shipped(images, labels)
   errors = int((result["predictions"] != labels).sum())
   assert result["count"] == 10000
   assert errors == TEST_ERRORS
@@ -52,11 +55,11 @@ AFFINE_ERRORS = 174   # `python eval.py --checkpoint pretrained/r3_recon --split
 @pytest.mark.skipif(not os.path.exists(os.path.join(PRETRAINED, "config.json")),
                     reason="no shipped weights")
 @pytest.mark.integration
-def test_shipped_weights_make_the_readme_number_of_affine_test_errors():
+def test_shipped_weights_make_the_readme_number_of_affine_test_errors(shipped):
   from capsnet.data import tasks
   splits = {"test": mnist.load("mnist", MNIST, 5000, download_missing=False)["test"]}
   images, labels = tasks.get("mnist").affine_split(splits)
-  result = _shipped_result(images, labels)
+  result = shipped(images, labels)
   errors = int((result["predictions"] != labels).sum())
   assert errors == AFFINE_ERRORS
   readme = open(os.path.join(ROOT, "README.md")).read()

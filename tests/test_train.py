@@ -16,7 +16,8 @@ import tensorflow as tf
 from capsnet.data import mnist
 from capsnet.model import network
 from capsnet.running import runs
-from conftest import MNIST, SMALL, TINY, cli, last_line, needs_mnist, train_here
+from conftest import (MNIST, SMALL, TINY, TWO_TOWERS, cli, last_line, needs_mnist, train_here,
+                      trained_stdout)
 
 def scalars(logdir, tag):
   values = []
@@ -29,19 +30,16 @@ def scalars(logdir, tag):
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
-  """One epoch of 50 steps on 1,600 images with two towers on the CPU."""
-  logdir = str(tmp_path_factory.mktemp("run"))
-  proc = train_here(*SMALL, f"--logdir={logdir}", "--epochs=1",
-             "--train_size=1600", "--learning_rate=0.01", "--summary_every=5",
-             "--num_gpus=2", "--device=/cpu:0", "--diag_every=25")
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  return logdir, proc
+def run_dir(trained_once):
+  """One epoch of 50 steps on 1,600 images with two towers on the CPU
+  (`TWO_TOWERS`, trained once for the session); (logdir, its stdout)."""
+  logdir = trained_once(*TWO_TOWERS)
+  return logdir, trained_stdout(logdir)
 
 
 @needs_mnist
 def test_training_writes_everything_and_learns(run_dir):
-  logdir, proc = run_dir
+  logdir, stdout = run_dir
   for name in ("config.json", "metrics.jsonl", "test_results.json",
                "diagnostics.jsonl", "latest/checkpoint", "best/checkpoint"):
     assert os.path.exists(os.path.join(logdir, name)), name
@@ -56,7 +54,7 @@ def test_training_writes_everything_and_learns(run_dir):
   assert 1600 / (wall + 0.05) - 0.05 <= speed <= 1600 / (wall - 0.05) + 0.05
   test = json.load(open(os.path.join(logdir, "test_results.json")))
   assert test["count"] == 10000 and test["split"] == "test"
-  assert "test (" in proc.stdout and "validation accuracy" in proc.stdout
+  assert "test (" in stdout and "validation accuracy" in stdout
   cfg = json.load(open(os.path.join(logdir, "config.json")))
   assert cfg["model"]["primary_types"] == 4 and cfg["train"]["batch_size"] == 32
   losses = scalars(logdir, "loss/total")

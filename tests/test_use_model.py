@@ -16,7 +16,7 @@ from capsnet.running import evaluation
 from capsnet.running import runs
 from capsnet.using import pictures
 from capsnet.using import serving
-from conftest import MNIST, ROOT, SMALL, eval_here, last_line, needs_mnist, train_here
+from conftest import MNIST, ROOT, TWO_TOWERS, eval_here, last_line, needs_mnist
 
 PRETRAINED = os.path.join(ROOT, "pretrained", "r3_recon")
 needs_pretrained = pytest.mark.skipif(
@@ -25,13 +25,10 @@ needs_pretrained = pytest.mark.skipif(
 
 
 @pytest.fixture(scope="module")
-def small_run(tmp_path_factory):
-  """One epoch of 50 steps on 1,600 images (about 80% validation accuracy)."""
-  logdir = str(tmp_path_factory.mktemp("small") / "run")
-  proc = train_here(*SMALL, f"--logdir={logdir}", "--epochs=1",
-             "--train_size=1600", "--learning_rate=0.01")
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  return logdir
+def small_run(trained_once):
+  """One epoch of 50 steps on 1,600 images (about 80% validation accuracy),
+  trained once for the session (`TWO_TOWERS`)."""
+  return trained_once(*TWO_TOWERS)
 
 
 @pytest.fixture(scope="module")
