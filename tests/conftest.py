@@ -156,7 +156,9 @@ def trained_once(tmp_path_factory):
   once for the whole session: under pytest-xdist the first worker to ask
   trains it (a file lock in the workers' common temporary folder) and the
   others wait for it and read the same folder. Read only: a test that
-  changes a run copies it first (`copied_run`)."""
+  changes a run copies it first (shutil.copytree); one that asks train.py
+  to resume it with other flags relies on the refusal leaving it byte for
+  byte as it was (tests/test_run_lock.py)."""
   root = tmp_path_factory.getbasetemp()
   if os.environ.get("PYTEST_XDIST_WORKER"):
     root = root.parent   # pytest-of-<user>/pytest-<n>, shared by the workers
@@ -185,14 +187,6 @@ def trained_once(tmp_path_factory):
 def trained_stdout(logdir):
   """What train.py printed while `trained_once` trained `logdir`."""
   return open(logdir + ".stdout").read()
-
-
-def copied_run(source, folder):
-  """A copy of the run folder `source` at `folder` (a str), for a test that
-  changes it."""
-  import shutil
-  shutil.copytree(source, folder)
-  return folder
 
 
 def rows(logdir, name="metrics.jsonl"):
