@@ -60,6 +60,10 @@ def test_draws_are_deterministic_in_range_and_keep_the_ink_in_the_frame():
     assert affine.fits(p, affine.ink_box(image))
   out = affine.apply(images, a)
   assert affine.md5(out) == affine.md5(affine.apply(images, a))
+  # The sweep's point at affNIST's own largest rotation is the set (eval.py
+  # reuses it there): Ranges with rotation_deg=20 and the rest as they are.
+  np.testing.assert_array_equal(affine.make(images, affine.Ranges(rotation_deg=20))[0],
+                                affine.test_set(images))
   # Ink the transform would push out is redrawn: a digit filling the frame
   # cannot be scaled up by 1.2 and fit; with no range to draw from it fails.
   full = np.full([1, 28, 28, 1], 9, np.uint8)
@@ -104,7 +108,8 @@ def test_eval_scores_the_affine_set_with_its_sweep(tmp_path, trained_once):
   assert a["error_percent"] == b["error_percent"] and b["sweep"] == []
   assert a["affine"]["md5"] == affine.MD5[affine.MNIST_TEST_MD5]
   assert [r["max_rotation_deg"] for r in a["sweep"]] == [0, 20]
-  # Rotation within 20 degrees with the other ranges affNIST's is the set itself.
+  # Rotation within 20 degrees with the other ranges affNIST's is the set
+  # itself (eval.py scores the same images; made alike: the test above).
   assert a["sweep"][1]["error_percent"] == a["error_percent"]
   proc = eval_here(f"--checkpoint={logdir}", "--affine_sweep=10")
   assert proc.returncode == 1
