@@ -1,11 +1,14 @@
 """Shared fixtures and helpers: graph mode once, a tiny float64 config, the
 small model's command-line flags and a runner for train.py / eval.py."""
 import contextlib
+import fcntl
 import functools
 import glob
+import hashlib
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -166,9 +169,6 @@ def trained_once(tmp_path_factory):
   shared.mkdir(exist_ok=True)
 
   def get(*flags):
-    import fcntl
-    import hashlib
-    import shutil
     key = hashlib.sha256("\0".join(flags).encode()).hexdigest()[:16]
     logdir, done = shared / key, shared / f"{key}.done"
     with open(shared / f"{key}.lock", "w") as lock:
