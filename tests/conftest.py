@@ -16,6 +16,16 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+# TensorFlow's thread pools, as on the 2-core machines where every recorded
+# bit-for-bit figure (the float64 weights' sha256 in test_regression and
+# test_averaging) was made: by default TensorFlow uses one intra-op thread per
+# core, and how its float64 reductions split the work follows the thread count,
+# so on a machine with 1 or 4 cores those tests would fail though nothing
+# changed. Set before any session exists; the processes the tests start
+# inherit it. On these machines it is TensorFlow's default, so no timing moves.
+os.environ["TF_NUM_INTRAOP_THREADS"] = "2"
+os.environ["TF_NUM_INTEROP_THREADS"] = "2"
+
 from capsnet.running import startup  # noqa: E402
 startup.import_tensorflow()
 
