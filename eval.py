@@ -6,15 +6,21 @@ the affine test set.
   python eval.py --checkpoint logs/run/best/model.ckpt-21500 --iter_routing=5
   python eval.py --checkpoint logs/run --split=affine   # capsnet/data/affine.py
   python eval.py --checkpoint logs/run --split=affine --affine_sweep=0,5,10,45
+  python eval.py --checkpoint pretrained/r3_recon --conv_impl=auto   # planned here
 
-The graph is rebuilt from the run's config.json; --iter_routing, --precision
-and --dtype override the run's (a dtype the checkpoint does not hold is
-refused, naming the variable). Writes to --out_dir (default
-<logdir>/eval_<checkpoint name>_r<routing count>_<split>/, or <logdir>/own_images/
-with --images; `runs.EvalFolder`): results.json, predictions.csv,
-reconstructions.png (inputs beside their reconstructions) and figure4.png
-(each of the 16 dimensions of the predicted capsule perturbed over
-[-0.25, 0.25] in steps of 0.05, decoded; Figure 4 of the paper).
+The graph is rebuilt from the run's config.json; --iter_routing, --precision,
+--conv_impl and --dtype override the run's (a dtype the checkpoint does not
+hold is refused, naming the variable). The convolutions are computed as the
+run computed them (its recorded plan or method), so its own scores are
+reproduced; --conv_impl=auto scores a split with the methods planned on this
+host for the forward pass alone (`planner.plan_inference`), faster.
+
+Writes to --out_dir (default <logdir>/eval_<checkpoint name>_r<routing
+count>_<split>/, or <logdir>/own_images/ with --images; `runs.EvalFolder`):
+results.json, predictions.csv, reconstructions.png (inputs beside their
+reconstructions) and figure4.png (each of the 16 dimensions of the predicted
+capsule perturbed over [-0.25, 0.25] in steps of 0.05, decoded; Figure 4 of
+the paper).
 """
 import dataclasses
 import json
@@ -33,9 +39,11 @@ import tensorflow as tf  # noqa: E402
 import config  # noqa: E402
 from capsnet.data import affine  # noqa: E402
 from capsnet.data import tasks  # noqa: E402
+from capsnet.model import fast_conv  # noqa: E402
 from capsnet.model import network  # noqa: E402
 from capsnet.running import evaluation  # noqa: E402
 from capsnet.running import files  # noqa: E402
+from capsnet.running import planner  # noqa: E402
 from capsnet.running import runs  # noqa: E402
 from capsnet.using import pictures  # noqa: E402
 from capsnet.using import serving  # noqa: E402
@@ -63,6 +71,7 @@ class Settings:
   weights: str              # auto (the run's choice), raw or averaged
   iter_routing: int         # None: the run's own
   precision: str            # None: the run's own
+  conv_impl: str            # None: the run's own methods; auto: planned here
   dtype: str                # None: the run's own
   split: str
   batch_size: int
@@ -91,6 +100,12 @@ def define_flags(fv=flags.FLAGS):
                     "auto: those that won the run's validation", flag_values=fv)
   flags.DEFINE_enum("precision", None, ["fp32", "bf16"], "override the run's "
                     "precision (e.g. score bf16-trained weights in fp32)", flag_values=fv)
+  flags.DEFINE_enum("conv_impl", None, list(fast_conv.IMPLS), "override how the "
+                    "convolutions are computed (default: as the run computed "
+                    "them, so its own scores are reproduced bit for bit); auto: "
+                    "the methods planned on this host for the forward pass "
+                    "alone, the same function computed the fastest way here",
+                    flag_values=fv)
   flags.DEFINE_enum("dtype", None, ["float32", "float64"], "override the run's "
                     "variable dtype (must be the checkpoint's)", flag_values=fv)
   flags.DEFINE_integer("iter_routing", None, "override routing iterations",
@@ -138,6 +153,8 @@ def main(argv, fv=flags.FLAGS):
     cfg, train_settings = runs.RunFolder(run_dir).load_config()
     overrides = {k: getattr(s, k) for k in ("iter_routing", "precision", "dtype")
                  if getattr(s, k)}
+    if s.conv_impl:   # the run's plan was for its own conv_impl
+      overrides.update(conv_impl=s.conv_impl, conv_plan="")
     cfg = dataclasses.replace(cfg, **overrides)
     reason = runs.damage(ckpt)
     if reason:
@@ -254,9 +271,13 @@ def evaluate(cfg, ckpt, task, split, s, sweep=()):
   """
   out_dir = s.out_dir
   images, labels = split[:2]
+  device = config.resolve_device(s.device, "eval.py")
+  if s.conv_impl == "auto":
+    cfg, line = planner.plan_inference(cfg, s.batch_size, device)
+    if line:
+      print(line, file=sys.stderr, flush=True)
   with tf.Graph().as_default():
-    ev = evaluation.build(cfg, s.batch_size, config.resolve_device(s.device, "eval.py"),
-                          task, routing_stats=True)
+    ev = evaluation.build(cfg, s.batch_size, device, task, routing_stats=True)
     figure4 = None
     if cfg.use_decoder:
       v_in = tf.compat.v1.placeholder(ev.outputs.v.dtype, ev.outputs.v.shape)

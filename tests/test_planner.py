@@ -8,7 +8,8 @@ import pytest
 from capsnet.model import fast_conv
 from capsnet.model import network
 from capsnet.running import planner
-from conftest import QUICK, needs_mnist, train_here, weights_sha256
+from capsnet.running import runs
+from conftest import QUICK, THREE_EPOCHS, eval_here, needs_mnist, train_here, weights_sha256
 
 import tensorflow as tf
 
@@ -131,11 +132,61 @@ def test_precision_auto_takes_the_faster_and_bf16_slower_is_said(tmp_path):
   assert cfg.precision == "bf16"
 
 
-def _write_cache(path, cfg, batch, methods):
-  """A plan cache whose entries for `cfg` name `methods` (training)."""
+def test_inference_is_planned_for_the_forward_alone(tmp_path):
+  """A run's recorded training plan is replaced by the forward pass's own;
+  a forced method and float64 are kept."""
+  calls = []
+  timer = fake_timer({"conv1": "conv2d", "primary_caps": "dft"}, calls)
+  plan = lambda cfg: planner.plan_inference(cfg, 500, path=str(tmp_path / "p.json"),
+                                            timer=timer, log=lambda _: None)
+  trained = dataclasses.replace(SMALL_CFG, conv_plan="conv1:patch_gemm,primary_caps:folded")
+  cfg, line = plan(trained)
+  assert cfg == dataclasses.replace(trained, conv_plan="conv1:conv2d,primary_caps:dft")
+  assert line.startswith("planner: fp32 inference, conv1: conv2d (")
+  assert {(c[0], c[3]) for c in calls} == {("conv1", False), ("primary_caps", False)}
+  calls.clear()
+  for kept in (dataclasses.replace(SMALL_CFG, conv_impl="custom_grad"),
+               dataclasses.replace(trained, dtype="float64")):
+    assert plan(kept) == (kept, None)
+  assert calls == []
+
+
+@needs_mnist
+def test_eval_scores_with_the_inference_plan_and_predicts_the_same(tmp_path, monkeypatch,
+                                                                    trained_once):
+  """eval.py --conv_impl=auto on a run trained with the rule's methods: the
+  cache's forward plan (conv2d, dft) is used and said, and every prediction
+  is the one the run's own methods (patch_gemm, dilated; eval.py's default)
+  make."""
+  monkeypatch.setenv("CAPSNET_CACHE_DIR", str(tmp_path / "cache"))
+  os.makedirs(tmp_path / "cache")
+  logdir = trained_once(*THREE_EPOCHS)
+  cfg = network.ModelConfig(conv1_channels=16, primary_types=4, primary_dim=4,
+                            digit_dim=8, decoder_units=(32,))
+  _write_cache(planner.cache_path(), cfg, 250, {"conv1": "conv2d", "primary_caps": "dft"},
+               training=False)
+  scored = {}
+  for impl in ("auto", None):
+    out = str(tmp_path / str(impl))
+    proc = eval_here(f"--checkpoint={logdir}", "--split=validation",
+                     *([f"--conv_impl={impl}"] if impl else []),
+                     "--batch_size=250", f"--out_dir={out}", "--num_images=2",
+                     "--figure4_images=1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert ("planner: fp32 inference, conv1: conv2d (conv2d 1.0 ms) [cached]; "
+            "primary_caps: dft (dft 1.0 ms) [cached]" in proc.stderr) == (impl == "auto")
+    scored[impl] = runs.EvalFolder(out).predictions()
+  auto, rule = scored["auto"], scored[None]
+  assert len(auto["prediction"]) == 500 and auto["prediction"] == rule["prediction"]
+  for k in range(10):
+    assert auto[f"length_{k}"] == pytest.approx(rule[f"length_{k}"], abs=2e-5)
+
+
+def _write_cache(path, cfg, batch, methods, training=True):
+  """A plan cache whose entries for `cfg` name `methods`."""
   entries = {}
   for conv in planner.convolutions(cfg, batch):
-    key = planner.cache_key(conv, planner.compute_dtype(cfg), True)
+    key = planner.cache_key(conv, planner.compute_dtype(cfg), training)
     entries[key] = {"method": methods[conv.layer], "ms": {methods[conv.layer]: 1.0}}
   with open(path, "w") as f:
     json.dump({"version": planner.CACHE_VERSION, "entries": entries}, f)

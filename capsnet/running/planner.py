@@ -254,6 +254,25 @@ def plan_model(cfg, batch, device=None, recorded=None, replan=False,
           f"planner: {cfg.precision}, {describe(report)}")
 
 
+def plan_inference(cfg, batch, device=None, log=_say, path=None, timer=time_methods):
+  """The `ModelConfig` to score with (eval.py --conv_impl=auto): the
+  convolutions planned for the forward pass alone at this batch.
+
+  A trained run's recorded `conv_plan` was timed with the gradients; the
+  forward alone has its own fastest methods (the same function computed
+  another way, so equal up to rounding: the weights do not depend on it).
+  Nothing is planned for a forced method (`conv_impl` other than "auto") or
+  in float64, as in `plan_model`.
+  Returns: (cfg, a line that describes the plan, or None).
+  """
+  if cfg.conv_impl != "auto" or cfg.dtype == "float64":
+    return cfg, None
+  plan, report = plan_convolutions(dataclasses.replace(cfg, conv_plan=""), batch, False,
+                                   device, path, log, timer)
+  return (dataclasses.replace(cfg, conv_plan=plan),
+          f"planner: {cfg.precision} inference, {describe(report)}")
+
+
 def describe(report):
   """One line: each layer's method and its time against the others'."""
   parts = []
