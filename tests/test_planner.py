@@ -14,6 +14,9 @@ from conftest import QUICK, THREE_EPOCHS, eval_here, needs_mnist, train_here, we
 import tensorflow as tf
 
 SMALL_CFG = network.ModelConfig(conv1_channels=8, primary_types=2, primary_dim=4)
+# The model of conftest.SMALL's flags (the runs train_here and eval_here make).
+CLI_CFG = network.ModelConfig(conv1_channels=16, primary_types=4, primary_dim=4,
+                              digit_dim=8, decoder_units=(32,))
 
 
 def fake_timer(fastest, calls=None):
@@ -161,8 +164,7 @@ def test_eval_scores_with_the_inference_plan_and_predicts_the_same(tmp_path, mon
   monkeypatch.setenv("CAPSNET_CACHE_DIR", str(tmp_path / "cache"))
   os.makedirs(tmp_path / "cache")
   logdir = trained_once(*THREE_EPOCHS)
-  cfg = network.ModelConfig(conv1_channels=16, primary_types=4, primary_dim=4,
-                            digit_dim=8, decoder_units=(32,))
+  cfg = CLI_CFG
   _write_cache(planner.cache_path(), cfg, 250, {"conv1": "conv2d", "primary_caps": "dft"},
                training=False)
   scored = {}
@@ -200,8 +202,7 @@ def test_resume_after_a_replanned_cache_continues_bit_for_bit(tmp_path, monkeypa
   monkeypatch.setenv("CAPSNET_CACHE_DIR", str(tmp_path / "cache"))
   os.makedirs(tmp_path / "cache")
   flags = [f for f in QUICK if not f.startswith("--conv_impl")] + ["--conv_impl=auto"]
-  cfg = network.ModelConfig(conv1_channels=16, primary_types=4, primary_dim=4,
-                            digit_dim=8, decoder_units=(32,))
+  cfg = CLI_CFG
   first = {"conv1": "patch_gemm", "primary_caps": "dft"}
   _write_cache(planner.cache_path(), cfg, 32, first)
   stopped, whole = str(tmp_path / "stopped"), str(tmp_path / "whole")
