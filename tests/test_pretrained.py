@@ -3,12 +3,12 @@
 config.json says) and asserts the exact number of errors the README gives:
 a change to the layers that changes a prediction fails it.
 
-PrimaryCaps is computed here by the DFT method (`SCORING_PLAN`): on a 2-core
-Zen 5 the forward pass planned so was 2.5 times as fast as with the shipped
-run's own methods (`python -m capsnet.bench --modes=infer --batch_size=500`),
-and both made the same prediction for every one of the 10,000 test and
-10,000 affine images (lengths within 1.4e-6). That the methods compute the
-same convolution is tests/test_fast_conv.py's."""
+PrimaryCaps is computed here by the DFT method (`SCORING_PLAN`, the plan
+`eval.py --conv_impl=auto` measured on a 2-core Zen 5, where it scored the
+10,000 test images in 16.8 s against 24.4 s with the shipped run's own
+methods; docs/performance.md), and both made the same prediction for every
+one of the 10,000 test and 10,000 affine images (lengths within 1.4e-6).
+That the methods compute the same convolution is tests/test_fast_conv.py's."""
 import dataclasses
 import os
 
