@@ -3,6 +3,7 @@
 The CLI tests share one run of a small CapsNet trained on real MNIST from
 data/mnist (.ci/run seeds it from ../shared) for 50 steps.
 """
+import functools
 import glob
 import json
 import os
@@ -309,16 +310,23 @@ def test_gpu_placement_recorded_and_soft_placed_on_cpu():
   assert np.isfinite(loss) and loss > 0
 
 
+@functools.lru_cache(maxsize=None)
+def _registered_kernels(op_type):
+  """The kernels TensorFlow registers for an op type (a registry lookup of
+  several ms: once a type, not once an op)."""
+  from tensorflow.python.framework import kernels
+  return kernels.get_registered_kernels_for_op(op_type).kernel
+
+
 def _ops_without_gpu_kernel(graph):
   """Ops placed on a GPU for which the installed TensorFlow registers no
   kernel of device type GPU or DEFAULT that accepts the op's dtypes."""
-  from tensorflow.python.framework import kernels
   missing = []
   for op in graph.get_operations():
     if "GPU" not in op.device.upper():
       continue
     ok = False
-    for kernel in kernels.get_registered_kernels_for_op(op.type).kernel:
+    for kernel in _registered_kernels(op.type):
       if kernel.device_type not in ("GPU", "DEFAULT"):
         continue
       fits = True
