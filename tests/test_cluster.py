@@ -15,6 +15,7 @@ import tensorflow as tf
 
 from capsnet import cluster
 from capsnet.running import cluster_spec
+import forkserver
 from conftest import (ROOT, SMALL, cli, eval_here, last_line, latest_step, needs_mnist,
                       train_here, wait_until)
 
@@ -25,7 +26,7 @@ ARGS = [*SMALL[:5], "--val_size=500", "--eval_batch_size=300", "--progress=false
 
 def launch(logdir, *args, workers=2, timeout=240):
   env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=ROOT)
-  return subprocess.run([sys.executable, "-m", "capsnet.cluster", "--ps=1",
+  return forkserver.run([sys.executable, "-m", "capsnet.cluster", "--ps=1",
                          f"--workers={workers}", "--", *ARGS, f"--logdir={logdir}",
                          *args], capture_output=True, text=True, env=env, cwd=ROOT,
                         timeout=timeout)
@@ -189,8 +190,8 @@ def _cluster_stopped_by(sig, target, logdir, *extra):
                                  "--save_every=3", "--summary_every=1000",
                                  f"--logdir={logdir}", *extra], cluster.free_ports(3))
   env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=ROOT)
-  procs = {k: subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True, env=env, cwd=ROOT) for k, c in cmds.items()}
+  procs = {k: forkserver.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, env=env, cwd=ROOT) for k, c in cmds.items()}
   try:
     chief = procs[("worker", 0)]
     if sig is not None:
@@ -230,7 +231,7 @@ def test_sigterm_to_any_task_saves_and_every_task_ends(target, tmp_path):
 def test_sigterm_to_the_launcher_saves_and_every_task_ends(tmp_path):
   logdir = str(tmp_path / "run")
   env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=ROOT)
-  proc = subprocess.Popen([sys.executable, "-m", "capsnet.cluster", "--ps=1", "--workers=2",
+  proc = forkserver.Popen([sys.executable, "-m", "capsnet.cluster", "--ps=1", "--workers=2",
                            "--", *ARGS, "--batch_size=16", "--epochs=100", "--save_every=3",
                            f"--logdir={logdir}"], stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
