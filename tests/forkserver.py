@@ -33,6 +33,7 @@ each, as the benchmark means them to be).
 import json
 import os
 import select
+import shutil
 import socket
 import subprocess
 import sys
@@ -181,10 +182,13 @@ def stop():
   """Ends the server (its children, if any are left, are killed)."""
   with _lock:
     proc = _server["proc"]
-    if proc not in (None, "external") and proc.poll() is None:
+    if proc in (None, "external"):
+      return
+    if proc.poll() is None:
       proc.stdin.close()
       proc.wait(timeout=30)
-    _server["proc"] = None
+    shutil.rmtree(os.path.dirname(_server["path"]), ignore_errors=True)
+    _server.update(proc=None, path=None)
 
 
 class Popen(subprocess.Popen):

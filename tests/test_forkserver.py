@@ -35,6 +35,9 @@ PROGRAM = textwrap.dedent("""\
     if what == "ppid":
       print(os.getppid())
     if what in ("wait", "sigterm"):
+      # Python's own SIGINT handler, also where the tests run with SIGINT
+      # ignored (a shell's background job), which a child would inherit.
+      signal.signal(signal.SIGINT, signal.default_int_handler)
       if what == "sigterm":
         signal.signal(signal.SIGTERM, lambda *a: sys.exit(143))
       open(sys.argv[2], "w").close()
