@@ -30,6 +30,7 @@ each, as the benchmark means them to be).
            kill() (a real process: the pid is real), and the exit status
            the server reaped (-N for a signal, as Popen); run(argv, ...).
 """
+import atexit
 import json
 import os
 import select
@@ -37,6 +38,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -157,13 +159,12 @@ _lock = threading.Lock()
 
 
 def _server_path(env):
-  """Starts the server once for this process, with the environment of the
-  first request (TF_CPP_MIN_LOG_LEVEL=3) but PYTHONPATH."""
+  """Starts the server once for this process, in the environment of the
+  first request (TF_CPP_MIN_LOG_LEVEL=3) less its PYTHONPATH."""
   with _lock:
     if _server["proc"] == "external":   # in a child of the server
       return _server["path"]
     if _server["proc"] is None or _server["proc"].poll() is not None:
-      import tempfile
       path = os.path.join(tempfile.mkdtemp(prefix="forkserver-"), "socket")
       env = {k: v for k, v in env.items() if k != "PYTHONPATH"}
       proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), path],
@@ -173,7 +174,6 @@ def _server_path(env):
       if line.strip() != b"ready":
         raise RuntimeError(f"forkserver did not start: {line!r}, status {proc.poll()}")
       _server.update(proc=proc, path=path)
-      import atexit
       atexit.register(stop)
     return _server["path"]
 
