@@ -229,7 +229,9 @@ class Popen(subprocess.Popen):
       socket.send_fds(conn, [request.encode() + b"\n"], fds)
     finally:   # the child's ends are the child's now (as Popen's own does)
       self._close_pipe_fds(p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite)
-    self._status_file = conn.makefile("rb")
+    # Unbuffered: a buffer could take the status line with the pid's, and
+    # a poll (select on the socket) would then never see it come.
+    self._status_file = conn.makefile("rb", buffering=0)
     self._conn = conn
     line = self._status_file.readline()
     if not line:
@@ -248,6 +250,7 @@ class Popen(subprocess.Popen):
     if not line:
       raise RuntimeError(f"forkserver: the server ended; the status of pid "
                          f"{self.pid} is lost")
+    self._status_file.close()
     self._conn.close()
     return (self.pid, int(line))
 
