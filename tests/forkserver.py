@@ -191,6 +191,16 @@ def stop():
     _server.update(proc=None, path=None)
 
 
+def _forkable(argv, env):
+  """Whether the server can run `argv`: `python script.py ...` or `python -m
+  module ...` with the server's TF_CPP_MIN_LOG_LEVEL (3)."""
+  if len(argv) < 2 or argv[0] != sys.executable:
+    return False
+  if env.get("TF_CPP_MIN_LOG_LEVEL") != "3":
+    return False
+  return (argv[1] == "-m" and len(argv) >= 3) or not argv[1].startswith("-")
+
+
 class Popen(subprocess.Popen):
   """subprocess.Popen whose child, when it is a Python program started as
   the tests start them (`[sys.executable, script or -m module, ...]`, an
@@ -199,7 +209,6 @@ class Popen(subprocess.Popen):
   anything else is started the plain way. `forked` says which."""
 
   forked = False
-  _conn = None
 
   def _execute_child(self, args, executable, preexec_fn, close_fds, pass_fds,
                      cwd, env, startupinfo, creationflags, shell, p2cread,
@@ -208,12 +217,10 @@ class Popen(subprocess.Popen):
                      process_group):
     env = dict(os.environ if env is None else env)
     argv = [os.fsdecode(a) for a in args] if isinstance(args, (list, tuple)) else []
-    if not (len(argv) >= 2 and argv[0] == sys.executable and env.get(
-        "TF_CPP_MIN_LOG_LEVEL") == "3" and (argv[1] == "-m" and len(argv) >= 3
-                                            or not argv[1].startswith("-"))
-            and not (shell or preexec_fn or pass_fds or executable or gids or umask >= 0
-                     or gid is not None or uid is not None
-                     or process_group not in (None, -1))):
+    plain_only = (shell or preexec_fn or pass_fds or executable or gids or umask >= 0
+                  or gid is not None or uid is not None
+                  or process_group not in (None, -1))
+    if plain_only or not _forkable(argv, env):
       return super()._execute_child(
           args, executable, preexec_fn, close_fds, pass_fds, cwd, env, startupinfo,
           creationflags, shell, p2cread, p2cwrite, c2pread, c2pwrite, errread,

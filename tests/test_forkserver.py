@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+
 import pytest
 
 import forkserver
