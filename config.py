@@ -137,6 +137,8 @@ def define_train_flags():
   flags.DEFINE_bool("log_device_placement", False, "log where each op runs")
   flags.DEFINE_integer("save_every", 1000, "steps between latest checkpoints "
                        "(also saved at each epoch end)", lower_bound=1)
+  flags.DEFINE_list("keep_epochs", [], "also keep the weights at the end of these "
+                    "epochs, every one, in epochs/ of the logdir (e.g. 1,2,5,10)")
   flags.DEFINE_integer("summary_every", 100, "steps between TensorBoard summaries",
                        lower_bound=1)
   flags.DEFINE_integer("diag_every", 0, "steps between gradient diagnostics "
@@ -288,6 +290,7 @@ class Settings:
   sync: bool                # a cluster's updates: synchronous
   cluster_wait_secs: int
   replan: bool = False      # measure the convolution plan again on resume
+  keep_epochs: tuple = ()   # epochs whose end weights epochs/ keeps
 
   def recorded(self):
     """The part of the settings that config.json keeps."""
@@ -352,12 +355,26 @@ def settings_from_flags(values):
   kwargs["workers"] = cluster_spec.num_workers(kwargs["cluster"])
   check_cluster(kwargs["cluster"], kwargs["dataset"], kwargs["ema_decay"],
                 values["precision"].value)
+  kwargs["keep_epochs"] = parse_epochs(kwargs["keep_epochs"])
   kwargs["device"] = resolve_device(kwargs["device"], "train.py")
   kwargs["data_dir"] = kwargs["data_dir"] or default_data_dir(kwargs["dataset"])
   if kwargs["batch_size"] % kwargs["num_gpus"]:
     raise ValueError(f"--batch_size={kwargs['batch_size']} must divide by "
                      f"--num_gpus={kwargs['num_gpus']}")
   return Settings(**kwargs)
+
+
+def parse_epochs(values):
+  """--keep_epochs's values as a sorted tuple of ints.
+  Raises: ValueError naming the value, for one that is not a positive integer."""
+  try:
+    epochs = [int(v) for v in values]
+  except ValueError:
+    epochs = [0]
+  if any(e < 1 for e in epochs):
+    raise ValueError(f"--keep_epochs={','.join(values)}: expected positive integers "
+                     "(epoch numbers, the first is 1)")
+  return tuple(sorted(set(epochs)))
 
 
 def check_cluster(cluster, dataset, ema_decay, precision):

@@ -3,8 +3,9 @@
 Session-based (tf.compat.v1). The model runs on --device (GPU when present),
 the input pipeline on the CPU, soft placement lets the same graph run
 anywhere. --logdir is a run folder (`capsnet/running/runs.py` has its layout): the
-config, checkpoints in latest/ (every --save_every steps and each epoch end)
-and best/ (the best validation accuracy), the metrics and diagnostic rows,
+config, checkpoints in latest/ (every --save_every steps and each epoch end),
+best/ (the best validation accuracy; ties: the lower validation loss) and
+epochs/ (the ends of the --keep_epochs epochs), the metrics and diagnostic rows,
 TensorBoard events and, at the end, the best checkpoint's test results.
 
 Re-running with the same --logdir resumes from latest/ (step, optimizer state,
@@ -208,6 +209,8 @@ def train(cfg, s, role, devices, splits):
       writer = role.writer(lambda: start_writing(g, s, cfg, pos, resumed))
       with contextlib.closing(writer), role.watching(sess, g.coordination):
         run = Run(sess, g, s, role, folder, splits, writer, stop)
+        if role.writes and resumed:
+          keep_epoch(run, pos)
         with role.ending_together(sess, g.coordination, stop, pos):
           train_epochs(run, pos)
         writer.flush()
@@ -265,7 +268,7 @@ def out_of_steps(s, pos):
 
 
 def save(run, which, pos):
-  """A checkpoint of `pos` into latest/ or best/; a second Ctrl-C waits.
+  """A checkpoint of `pos` into latest/, best/ or epochs/; a second Ctrl-C waits.
 
   Raises: TrainingError if it cannot be written (e.g. a full disk); the
   checkpoints listed before stay listed and whole.
@@ -396,14 +399,25 @@ def end_epoch(run, pos, stats):
   pos.loss_sum, pos.accuracy_sum, pos.summed_steps = 0.0, 0.0, 0
   if run.role.writes:
     validate(run, pos, row, kind="epoch")
+    keep_epoch(run, pos)
     save(run, "latest", pos)
+
+
+def keep_epoch(run, pos):
+  """At the end of an epoch --keep_epochs names, its weights into epochs/
+  (once: a run resumed from a checkpoint of that step that stopped before
+  epochs/ was written writes it then)."""
+  if (pos.examples == 0 and pos.epoch in run.s.keep_epochs
+      and not any(runs.step_of(p) == pos.step for p in run.folder.checkpoints("epochs"))):
+    save(run, "epochs", pos)
 
 
 def validate(run, pos, row, kind):
   """Scores the validation split into `row` (with weight averaging, also the
   averaged weights: the `*_averaged` keys), appends it to metrics.jsonl and
   saves the best checkpoint by the better of the two (without a validation
-  split: the newest)."""
+  split: the newest). Best: the higher validation accuracy; a tie goes to
+  the lower validation loss, then to the later step (`run_state.is_better`)."""
   split = run.splits["validation"]
   val_y = split[1]
   if len(val_y):
@@ -423,21 +437,22 @@ def validate(run, pos, row, kind):
           + (f"; averaged weights {row['val_accuracy_averaged']:.4f} (error "
              f"{row['val_error_percent_averaged']:.2f}%)" if run.g.eval_averaged else "")
           + (f", {row['images_per_sec']} images/s" if "images_per_sec" in row else ""))
-  # Compared as the checkpoint keeps it (float32), so that a resumed run
-  # decides as an uninterrupted one does; a tie goes to the raw weights.
-  accuracy, averaged = None, False
-  if len(val_y):
-    accuracy = float(np.float32(row["val_accuracy"]))
-    if run.g.eval_averaged:
-      accuracy_averaged = float(np.float32(row["val_accuracy_averaged"]))
-      averaged = accuracy_averaged > accuracy
-      accuracy = max(accuracy, accuracy_averaged)
   # The row first: a run killed before the best checkpoint is written
   # resumes from an earlier one, drops the row and writes it again.
   run.folder.append_metrics(row, kind)
-  if not len(val_y) or accuracy > pos.best_val:
-    if len(val_y):
-      pos.best_val, pos.best_averaged = accuracy, averaged
+  if not len(val_y):
+    save(run, "best", pos)
+    return
+  # Raw or averaged weights, then this validation against the best so far,
+  # by one rule (`run_state.is_better`); raw and averaged tied: the raw.
+  accuracy, loss, averaged = row["val_accuracy"], row["val_loss"], False
+  if run.g.eval_averaged and run_state.is_better(
+      row["val_accuracy_averaged"], row["val_loss_averaged"], accuracy, loss,
+      tie_wins=False):
+    accuracy, loss, averaged = row["val_accuracy_averaged"], row["val_loss_averaged"], True
+  if run_state.is_better(accuracy, loss, pos.best_val, pos.best_val_loss):
+    pos.best_val, pos.best_val_loss = float(np.float32(accuracy)), float(np.float32(loss))
+    pos.best_averaged = averaged
     save(run, "best", pos)
 
 

@@ -1,13 +1,15 @@
 """Where a training run is, kept in variables so that every checkpoint holds
 it: the global step, the completed epochs, the position in the current
-epoch's data order, the best validation accuracy (and, with weight
-averaging, whose weights won it), and the running sums of the epoch's loss
+epoch's data order, the best validation accuracy and its validation loss
+(the tie rule, `is_better`; with weight averaging, whose weights won it),
+and the running sums of the epoch's loss
 and accuracy. Restoring a checkpoint restores the position; train.py resumes
 from it exactly.
 """
 import dataclasses
 import os
 
+import numpy as np
 import tensorflow as tf
 
 from capsnet.running import runs
@@ -20,19 +22,34 @@ class Position:
   epoch: int = 0            # completed epochs
   examples: int = 0         # examples of the current epoch already trained
   best_val: float = -1.0    # best validation accuracy so far (-1: none)
+  best_val_loss: float = float("inf")  # its validation loss (the tie rule)
   best_averaged: bool = False  # the best checkpoint won with its averaged weights
   loss_sum: float = 0.0     # sums over the current epoch's steps, for its
   accuracy_sum: float = 0.0  # metrics row (float64, added in step order)
   summed_steps: int = 0     # steps in those sums
 
 
+def is_better(accuracy, loss, best_accuracy, best_loss, tie_wins=True):
+  """The best-checkpoint rule: a higher validation accuracy wins; among
+  equal accuracies the lower validation loss; among equal losses too, the
+  later (this) one, unless `tie_wins` is False. Compared as the checkpoint
+  keeps them (float32), so that a resumed run decides as an uninterrupted
+  one does."""
+  accuracy, loss = np.float32(accuracy), np.float32(loss)
+  best_accuracy, best_loss = np.float32(best_accuracy), np.float32(best_loss)
+  if accuracy != best_accuracy:
+    return bool(accuracy > best_accuracy)
+  return bool(loss < best_loss or (tie_wins and loss == best_loss))
+
+
 class RunState:
   """A `Position` kept in variables, so that every checkpoint holds it.
 
-  The epoch sums were added later: their variables are created after the
-  model's (`add_epoch_sums`), so that the model's initial weights did not
-  move (op seeds follow the graph's op count), and a checkpoint without them
-  restores with them at their defaults (`optional`).
+  The epoch sums and the best validation loss were added later: their
+  variables are created after the model's (`add_epoch_sums`), so that the
+  model's initial weights did not move (op seeds follow the graph's op
+  count), and a checkpoint without them restores with them at their
+  defaults (`optional`; a best validation loss of +inf).
   """
 
   def __init__(self):
@@ -57,7 +74,9 @@ class RunState:
             "accuracy_sum": get("state/epoch_accuracy_sum", [], tf.float64,
                                 tf.zeros_initializer(), trainable=False),
             "summed_steps": get("state/epoch_summed_steps", [], tf.int64,
-                                tf.zeros_initializer(), trainable=False)}
+                                tf.zeros_initializer(), trainable=False),
+            "best_val_loss": get("state/best_val_loss", [], tf.float32,
+                                 tf.constant_initializer(np.inf), trainable=False)}
     feeds = {k: tf.compat.v1.placeholder(v.dtype.base_dtype, []) for k, v in sums.items()}
     self._assign = tf.group(self._assign, *[v.assign(feeds[k]) for k, v in sums.items()])
     self._vars.update(sums)
@@ -75,11 +94,13 @@ class RunState:
 
   def add_savers(self):
     """The checkpoints' savers, built once the graph holds every variable:
-    latest/ keeps two, best/ one, and one without the `optional` state (to
-    restore a checkpoint written before it existed)."""
+    latest/ keeps two, best/ one, epochs/ every one (--keep_epochs), and one
+    without the `optional` state (to restore a checkpoint written before it
+    existed)."""
     self.savers = {
         "latest": tf.compat.v1.train.Saver(max_to_keep=2, save_relative_paths=True),
-        "best": tf.compat.v1.train.Saver(max_to_keep=1, save_relative_paths=True)}
+        "best": tf.compat.v1.train.Saver(max_to_keep=1, save_relative_paths=True),
+        "epochs": tf.compat.v1.train.Saver(max_to_keep=None, save_relative_paths=True)}
     self._saver_without_optional = tf.compat.v1.train.Saver(
         [v for v in tf.compat.v1.global_variables() if v not in self.optional])
     self._init_optional = tf.compat.v1.variables_initializer(self.optional)
@@ -91,7 +112,7 @@ class RunState:
 
   def save(self, sess, which, folder, pos):
     """Writes `pos` into the variables, then a checkpoint into `folder` with
-    the saver of `which` ("latest" or "best")."""
+    the saver of `which` ("latest", "best" or "epochs")."""
     sess.run(self._assign, {self._feeds[k]: getattr(pos, k) for k in self._vars})
     return self.savers[which].save(sess, os.path.join(folder, runs.CHECKPOINT_PREFIX),
                                    self.global_step, write_meta_graph=False)
@@ -110,7 +131,7 @@ class RunState:
 
 
 def restore_or_init(sess, state, init, folder):
-  """Restores the newest intact checkpoint of latest/ (or best/), or, in a
+  """Restores the newest intact checkpoint of latest/ (or best/, epochs/), or, in a
   logdir without checkpoints, initialises the variables.
 
   A damaged checkpoint (missing or truncated file, bad checksum) is passed

@@ -3,6 +3,8 @@
   config.json        the model config and the trainer settings ("model",
                      "train"); eval.py rebuilds the graph from it
   latest/, best/     checkpoints, each folder with its `checkpoint` index
+  epochs/            the weights at the end of the epochs --keep_epochs names,
+                     every one kept (its index lists the newest only)
   metrics.jsonl      one row a validation: "kind" "epoch" (the epoch's end,
                      with its training figures) or "validation" (inside an
                      epoch, --val_every)
@@ -54,7 +56,7 @@ AFFINE_RESULTS_FILE = "affine_results.json"
 # What a study publishes of a run (never its checkpoints).
 SMALL_FILES = (CONFIG_FILE, METRICS_FILE, DIAGNOSTICS_FILE, TEST_RESULTS_FILE,
                ROUTING_FILE, HOST_FILE, AFFINE_RESULTS_FILE)
-CHECKPOINT_FOLDERS = ("latest", "best")
+CHECKPOINT_FOLDERS = ("latest", "best", "epochs")
 CHECKPOINT_PREFIX = "model.ckpt"   # <folder>/model.ckpt-<step>.index, ...
 
 
@@ -77,10 +79,20 @@ def _read_json(path, default=None):
 
 
 def _read_jsonl(path):
+  """The rows of a .jsonl file ([] if there is none).
+  Raises: RunError naming the file and the line of a row that is not JSON."""
   if not os.path.exists(path):
     return []
+  rows = []
   with open(path) as f:
-    return [json.loads(line) for line in f if line.strip()]
+    for number, line in enumerate(f, 1):
+      if line.strip():
+        try:
+          rows.append(json.loads(line))
+        except ValueError as e:
+          raise RunError(f"{path}: line {number}: not a JSON row ({e}); a damaged "
+                         "file (restore it from git or the run's copy)") from None
+  return rows
 
 
 class RunFolder:
@@ -93,7 +105,7 @@ class RunFolder:
     return os.path.join(self.path, name)
 
   def checkpoint_folder(self, which):
-    """latest/ or best/."""
+    """latest/, best/ or epochs/."""
     return os.path.join(self.path, which)
 
   # -- config.json
@@ -200,7 +212,7 @@ class RunFolder:
   # -- checkpoints
 
   def checkpoints(self, which):
-    """The checkpoint prefixes of latest/ or best/, oldest first."""
+    """The checkpoint prefixes of latest/, best/ or epochs/, oldest first."""
     return checkpoints_in(self.checkpoint_folder(which))
 
   def latest_checkpoint(self, which):
@@ -209,7 +221,7 @@ class RunFolder:
     return tf.train.latest_checkpoint(self.checkpoint_folder(which))
 
   def newest_intact(self):
-    """The newest checkpoint of latest/ and best/ that reads back whole:
+    """The newest checkpoint of latest/, best/ and epochs/ that reads back whole:
     (prefix or None, [(prefix, reason)] of the newer damaged ones)."""
     return newest_intact([self.checkpoint_folder(w) for w in CHECKPOINT_FOLDERS])
 
@@ -255,6 +267,18 @@ class RunFolder:
   def test_results(self):
     """test_results.json, or None."""
     return _read_json(self.file(TEST_RESULTS_FILE))
+
+  def read_json(self, name):
+    """The folder's JSON file `name` (e.g. a study's results), or None.
+    Raises: RunError naming the file if it is not JSON."""
+    try:
+      return _read_json(self.file(name))
+    except ValueError as e:
+      raise RunError(f"{self.file(name)}: not a JSON file ({e})") from None
+
+  def write_json(self, name, value):
+    """The folder's JSON file `name`, written whole or not at all."""
+    files.write_json(self.file(name), value)
 
   def write_routing(self, summary):
     files.write_json(self.file(ROUTING_FILE), summary)
