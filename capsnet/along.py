@@ -1,0 +1,364 @@
+"""The stop_gradient question along training (docs/along.md, issue 41).
+
+  python -m capsnet.along --first_seed=K --seeds=1 --precision=bf16 \\
+      --out=$HOME/along                  # block K: three runs, then their scorings
+  python -m capsnet.along --seeds=5 --out=study/along --train=false   # the report
+  python -m capsnet.along --seeds=1 --epochs=2 --kept=1,2 -- --train_size=2000  # a try
+
+A block is one seed's three runs (`r1_recon`, `r3_recon`, `r3_recon_nostop`)
+of 10 epochs on the paper's schedule, each a train.py run in
+<out>/<variant>_seed<k>/ that keeps its weights at the end of the
+registered epochs (1, 2, 5, 10; train.py --keep_epochs). Each kept
+checkpoint is scored once on the test set and once on the affine test set
+(eval.py), into the run's along_results.json, as soon as the run ends:
+checkpoints do not survive a sitting. No checkpoint is chosen. Each run's
+small files (config.json, metrics.jsonl, diagnostics.jsonl, host.json,
+along_results.json, never a checkpoint) are copied to --publish
+(study/along) as it is scored; committing them is the user's.
+
+The report (results.md, results.json and along.png in --out, and in
+--publish unless it is --out) is computed from the run files alone: for
+each pair, measure and registered epoch the paired difference over the
+blocks with its 95% t interval, a call where the interval excludes zero,
+and a reversal where a pair and measure is called on one side at an
+earlier registered epoch and on the other at a later one. Publishing the
+same files again writes the same bytes.
+"""
+import json
+import os
+import subprocess
+import sys
+
+from absl import app
+from absl import flags
+
+from capsnet import study
+from capsnet.running import files
+from capsnet.running import runs
+from capsnet.running import schedule
+from capsnet.using import stats
+
+VARIANTS = study.GRIDS["short"]   # r1_recon, r3_recon, r3_recon_nostop: the same flags
+EPOCHS = 10
+KEPT = (1, 2, 5, 10)              # the registered epochs
+PAIRS = (("r3_recon", "r3_recon_nostop", "the stop: nostop - stop"),
+         ("r1_recon", "r3_recon", "routing with the stop: r3 - r1"),
+         ("r1_recon", "r3_recon_nostop", "routing without it: r3 nostop - r1"))
+MEASURES = (   # key, what it is, its format
+    ("test_margin_loss", "mean test margin loss (primary)", "+.5f"),
+    ("test_error", "test error, %", "+.3f"),
+    ("affine_error", "affine-test error, %", "+.3f"),
+    ("train_loss", "the epoch's training loss", "+.5f"))
+RESULTS_FILE = "along_results.json"
+SMALL_FILES = (runs.CONFIG_FILE, runs.METRICS_FILE, runs.DIAGNOSTICS_FILE,
+               runs.HOST_FILE, RESULTS_FILE)
+TITLE = "The stop_gradient question along training (docs/along.md)"
+
+
+def define_flags():
+  flags.DEFINE_integer("seeds", 5, "blocks (seeds first_seed .. first_seed+seeds-1)",
+                       lower_bound=1)
+  flags.DEFINE_integer("first_seed", 0, "the first block's seed", lower_bound=0)
+  flags.DEFINE_string("out", os.path.join(os.path.expanduser("~"), "along"),
+                      "folder of the runs (checkpoints included) and the report")
+  flags.DEFINE_string("publish", os.path.join(study.ROOT, "study", "along"),
+                      "copy each scored run's small files, and the report, here")
+  flags.DEFINE_string("precision", "fp32", "fp32 or bf16, for every run of the block")
+  flags.DEFINE_bool("train", True, "train and score missing runs (false: report only)")
+  flags.DEFINE_integer("epochs", EPOCHS, "epochs a run (the protocol: 10; tests: fewer)",
+                       lower_bound=1)
+  flags.DEFINE_list("kept", [str(e) for e in KEPT], "the registered epochs "
+                    "(the protocol: 1,2,5,10)")
+
+
+FLAGS = flags.FLAGS
+
+
+def run_name(variant, seed):
+  return f"{variant}_seed{seed}"
+
+
+# --------------------------------------------------------------------------
+# Running and scoring a block
+
+def scored(folder):
+  """along_results.json of a run ({epoch: {...}}, keys as strings), or {}."""
+  return runs.RunFolder(folder).read_json(RESULTS_FILE) or {}
+
+
+def kept_checkpoint(folder, epoch):
+  """The checkpoint prefix train.py kept at the end of `epoch`, or None."""
+  ends = {r["epoch"]: r["step"] for r in runs.RunFolder(folder).metrics("epoch")}
+  prefix = os.path.join(runs.RunFolder(folder).checkpoint_folder("epochs"),
+                        f"{runs.CHECKPOINT_PREFIX}-{ends.get(epoch)}")
+  return prefix if epoch in ends and os.path.exists(prefix + ".index") else None
+
+
+def score(folder, epoch, log_path):
+  """Scores the weights kept at the end of `epoch` on the test set and the
+  affine test set (eval.py, the run's own convolutions and precision).
+  Returns: the along_results.json entry. Exits if the checkpoint is gone
+  or eval.py fails."""
+  ckpt = kept_checkpoint(folder, epoch)
+  if ckpt is None:
+    sys.exit(f"along: error: {folder}: no checkpoint kept at the end of epoch "
+             f"{epoch} (epochs/); the run must be trained again in this sitting")
+  entry = {"epoch": epoch, "step": runs.step_of(ckpt)}
+  for split in ("test", "affine"):
+    out_dir = os.path.join(folder, f"along_epoch{epoch}_{split}")
+    cmd = [sys.executable, os.path.join(study.ROOT, "eval.py"), f"--checkpoint={ckpt}",
+           f"--split={split}", f"--out_dir={out_dir}", "--num_images=8",
+           "--figure4_images=1"]
+    with open(log_path, "a") as log:
+      rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=study.ROOT)
+    if rc:
+      sys.exit(f"along: error: eval.py --split={split} on {ckpt} failed (exit {rc}); "
+               f"see {log_path}")
+    res = runs.EvalFolder(out_dir).results()
+    entry[split] = {k: res[k] for k in ("count", "error_percent", "margin_loss_mean",
+                                        "routing_entropy", "routing_max_c") if k in res}
+  return entry
+
+
+def run_block(seed, settings, publish, extra=()):
+  """Trains (or resumes) and scores one seed's three runs, publishing each."""
+  for variant, spec in VARIANTS.items():
+    folder = os.path.join(FLAGS.out, run_name(variant, seed))
+    if not study.is_complete(folder, settings["epochs"]):
+      study.run_one(spec, seed, folder, settings,
+                    [f"--keep_epochs={','.join(str(e) for e in settings['kept'])}",
+                     *extra])
+    results = scored(folder)
+    for epoch in settings["kept"]:
+      if str(epoch) not in results:
+        print(f"{os.path.basename(folder)}: scoring the weights of epoch {epoch}",
+              flush=True)
+        results[str(epoch)] = score(folder, epoch, folder + ".log")
+        runs.RunFolder(folder).write_json(RESULTS_FILE, results)
+    if publish:
+      copy_small_files(folder, os.path.join(publish, os.path.basename(folder)))
+
+
+def copy_small_files(folder, dest):
+  for name in SMALL_FILES:
+    src = os.path.join(folder, name)
+    if os.path.exists(src):
+      os.makedirs(dest, exist_ok=True)
+      with open(src, "rb") as f:
+        files.atomic_write(os.path.join(dest, name), f.read())
+
+
+# --------------------------------------------------------------------------
+# The figures, from the run files alone
+
+def measures(folder, kept):
+  """{epoch: {measure: value}} of one run's files (an epoch not scored yet,
+  or not trained yet, is left out); {} if the folder has no run."""
+  results = scored(folder)
+  rows = {r["epoch"]: r for r in runs.RunFolder(folder).metrics("epoch")}
+  out = {}
+  for epoch in kept:
+    entry = results.get(str(epoch))
+    if entry is None or epoch not in rows:
+      continue
+    test, affine = entry["test"], entry["affine"]
+    out[epoch] = {"test_margin_loss": test["margin_loss_mean"],
+                  "test_error": test["error_percent"],
+                  "affine_error": affine["error_percent"],
+                  "train_loss": rows[epoch]["train_loss"],
+                  "val_loss": rows[epoch].get("val_loss"),
+                  "max_c": (test.get("routing_max_c") or [None])[-1]}
+  return out
+
+
+def collect(out, seeds, kept):
+  """{variant: {seed: measures(...)}} over the runs found in `out`."""
+  found = {}
+  for variant in VARIANTS:
+    for seed in seeds:
+      folder = os.path.join(out, run_name(variant, seed))
+      if os.path.isdir(folder):
+        m = measures(folder, kept)
+        if m:
+          found.setdefault(variant, {})[seed] = m
+  return found
+
+
+def compare(found, kept):
+  """The rule: {(a, b): {measure: {epoch: stats.paired_difference}}} and the
+  reversals [(a, b, measure, earlier epoch, later epoch)]."""
+  table, reversals = {}, []
+  for a, b, _ in PAIRS:
+    for key, _, _ in MEASURES:
+      per_epoch = {}
+      for epoch in kept:
+        def figure(variant):
+          return {s: m[epoch][key] for s, m in found.get(variant, {}).items()
+                  if epoch in m}
+        d = stats.paired_difference(figure(a), figure(b))
+        if d is not None:
+          per_epoch[epoch] = d
+      table.setdefault((a, b), {})[key] = per_epoch
+      calls = [(e, d["mean"] > 0) for e, d in sorted(per_epoch.items()) if d["called"]]
+      for i, (early, sign) in enumerate(calls):
+        later = next((e for e, s in calls[i + 1:] if s != sign), None)
+        if later is not None:
+          reversals.append((a, b, key, early, later))
+          break
+  return table, reversals
+
+
+def _cell(d, spec):
+  if d is None:
+    return ""
+  if d["lo"] is None:
+    return f"{format(d['mean'], spec)} (n = 1)"
+  text = f"{format(d['mean'], spec)} [{format(d['lo'], spec)}, {format(d['hi'], spec)}]"
+  return f"**{text}**" if d["called"] else text
+
+
+def markdown(found, table, reversals, kept, blocks):
+  """results.md."""
+  n_int = sum(1 for pairs in table.values() for per in pairs.values()
+              for d in per.values() if d["lo"] is not None)
+  n_called = sum(1 for pairs in table.values() for per in pairs.values()
+                 for d in per.values() if d["called"])
+  final = blocks >= 5
+  lines = [f"# {TITLE}", "",
+           f"{blocks} block(s) (seeds {', '.join(map(str, sorted(_seeds(found))))})"
+           + ("" if final else ": **interim**, the rule judges five blocks") + ".",
+           "Cells: the paired difference B - A over the blocks, its mean and 95% t "
+           "interval; **bold** = called (the interval excludes zero). B - A > 0: A "
+           "has the lower loss or error.", ""]
+  for key, what, spec in MEASURES:
+    lines += [f"## {what}", "",
+              "| pair (A:B) | " + " | ".join(f"epoch {e}" for e in kept) + " |",
+              "|---|" + "---|" * len(kept)]
+    for a, b, name in PAIRS:
+      per = table[(a, b)][key]
+      lines.append(f"| {name} ({a}:{b}) | "
+                   + " | ".join(_cell(per.get(e), spec) for e in kept) + " |")
+    lines.append("")
+  lines += ["## Calls", "",
+            f"{n_called} of {n_int} intervals exclude zero; with no difference "
+            f"anywhere about {0.05 * n_int:.1f} would by chance (95% each, not "
+            "corrected for multiplicity)."]
+  if reversals:
+    lines += ["", "The ordering reverses with training (called at an earlier "
+              "registered epoch on one side, at a later one on the other):"]
+    lines += [f"- {a}:{b}, {key}: epoch {e1} against epoch {e2}"
+              for a, b, key, e1, e2 in reversals]
+  else:
+    lines += ["", "No reversal is called."]
+  lines += ["", "## Per variant (mean over blocks; descriptive)", "",
+            "| variant | epoch | test margin loss | test error % | affine error % | "
+            "train loss | val loss | mean largest coupling, last iteration |",
+            "|---|---|---|---|---|---|---|---|"]
+  for variant in VARIANTS:
+    for epoch in kept:
+      ms = [m[epoch] for m in found.get(variant, {}).values() if epoch in m]
+      if not ms:
+        continue
+      def mean(k, spec):
+        vals = [m[k] for m in ms if m.get(k) is not None]
+        return format(sum(vals) / len(vals), spec) if vals else ""
+      lines.append(f"| {variant} | {epoch} | {mean('test_margin_loss', '.5f')} | "
+                   f"{mean('test_error', '.3f')} | {mean('affine_error', '.3f')} | "
+                   f"{mean('train_loss', '.5f')} | {mean('val_loss', '.5f')} | "
+                   f"{mean('max_c', '.4f')} |")
+  return "\n".join(lines) + "\n"
+
+
+def _seeds(found):
+  return {s for per in found.values() for s in per}
+
+
+def blocks_done(found, kept):
+  """Seeds whose three runs are scored at every registered epoch."""
+  return sorted(s for s in _seeds(found)
+                if all(set(kept) <= set(found.get(v, {}).get(s, {})) for v in VARIANTS))
+
+
+def plot(table, kept, path):
+  """along.png: each pair's paired difference against epoch with its 95%
+  interval band, one panel per measure."""
+  plt, _ = study._figure()  # pylint: disable=protected-access
+  fig, axes = plt.subplots(1, len(MEASURES), figsize=(4.2 * len(MEASURES), 3.8))
+  for ax, (key, what, _) in zip(axes, MEASURES):
+    for a, b, name in PAIRS:
+      per = table[(a, b)][key]
+      xs = [e for e in kept if e in per]
+      line, = ax.plot(xs, [per[e]["mean"] for e in xs], marker="o", label=name)
+      band = [e for e in xs if per[e]["lo"] is not None]
+      ax.fill_between(band, [per[e]["lo"] for e in band], [per[e]["hi"] for e in band],
+                      color=line.get_color(), alpha=0.2, linewidth=0)
+    ax.axhline(0, color="black", linewidth=0.8)
+    ax.set_xscale("log")
+    ax.set_xticks(list(kept))
+    ax.set_xticklabels([str(e) for e in kept])
+    ax.set_xlabel("epoch")
+    ax.set_title(f"B - A: {what}", fontsize=9)
+  axes[0].legend(fontsize=7)
+  study._save(plt, fig, path)  # pylint: disable=protected-access
+
+
+def report(found, kept, folder):
+  """results.md, results.json and along.png into `folder`. Returns the markdown."""
+  table, reversals = compare(found, kept)
+  blocks = len(blocks_done(found, kept))
+  text = markdown(found, table, reversals, kept, blocks)
+  os.makedirs(folder, exist_ok=True)
+  files.atomic_write(os.path.join(folder, "results.md"), text)
+  payload = {"blocks": blocks_done(found, kept), "kept_epochs": list(kept),
+             "runs": {v: {str(s): {str(e): m for e, m in per.items()}
+                          for s, per in seeds.items()} for v, seeds in found.items()},
+             "comparisons": [{"a": a, "b": b, "measure": key, "epoch": e, **d}
+                             for (a, b), per_m in table.items()
+                             for key, per in per_m.items() for e, d in per.items()],
+             "reversals": [dict(zip(("a", "b", "measure", "earlier", "later"), r))
+                           for r in reversals]}
+  files.atomic_write(os.path.join(folder, "results.json"),
+                     json.dumps(payload, indent=1, sort_keys=True) + "\n")
+  plot(table, kept, os.path.join(folder, "along.png"))
+  return text
+
+
+def main(argv):
+  extra = argv[1:]     # everything after `--` goes to train.py (tests: a small model)
+  try:
+    kept = tuple(sorted({int(e) for e in FLAGS.kept}))
+  except ValueError:
+    kept = ()
+  if not kept or kept[0] < 1 or kept[-1] > FLAGS.epochs:
+    sys.exit(f"along: error: --kept={','.join(FLAGS.kept)}: expected epochs between 1 "
+             f"and --epochs={FLAGS.epochs}")
+  if FLAGS.precision not in ("fp32", "bf16"):
+    sys.exit(f"along: error: --precision={FLAGS.precision}: expected fp32 or bf16")
+  seeds = range(FLAGS.first_seed, FLAGS.first_seed + FLAGS.seeds)
+  publish = (None if os.path.abspath(FLAGS.publish or FLAGS.out) == os.path.abspath(
+      FLAGS.out) else FLAGS.publish)
+  try:
+    if FLAGS.train:
+      settings = {"epochs": FLAGS.epochs, "precision": FLAGS.precision,
+                  "decay_steps": schedule.DECAY_STEPS, "diag_every": 100,
+                  "val_every": 0, "kept": kept}
+      os.makedirs(FLAGS.out, exist_ok=True)
+      for seed in seeds:
+        run_block(seed, settings, publish, extra)
+    found = collect(FLAGS.out, seeds, kept)
+    if not found:
+      sys.exit(f"along: error: {FLAGS.out}: no scored run of the protocol for seeds "
+               f"{seeds.start}-{seeds.stop - 1} (expected <variant>_seed<k>/ folders "
+               f"with {RESULTS_FILE}: {', '.join(VARIANTS)})")
+    text = report(found, kept, FLAGS.out)
+    if publish:
+      report(found, kept, publish)
+  except runs.RunError as e:
+    sys.exit(f"along: error: {e}")
+  print(text)
+
+
+if __name__ == "__main__":
+  define_flags()
+  app.run(main)
+
