@@ -199,6 +199,11 @@ def describe_run(folder, epochs):
       "best_val_error": min((m[key] for m in val if key in m), default=None),
       "val_weights": weights,            # whose validation figures these are
       "test_weights": test.get("weights", "raw"),
+      "last_val_loss": next((m["val_loss"] for m in reversed(val) if "val_loss" in m),
+                            None),
+      "selected_step": (runs.step_of(test["checkpoint"]) if "checkpoint" in test
+                        else None),
+      "tied_steps": _tied_steps(val, key),
       "last_val_error": (statistics.mean(epoch_val[-LAST_EPOCHS:])
                          if complete and len(epoch_val) >= LAST_EPOCHS else None),
       "routing": run.routing() if complete else None,
@@ -212,6 +217,14 @@ def describe_run(folder, epochs):
       "diag": {key: (diags[0][key], diags[-1][key]) if diags else (None, None)
                for key in ("digit_caps/weights", "conv1/weights")},
   }
+
+
+def _tied_steps(val, key):
+  """The steps whose validation error equals the lowest one (ties for the
+  best checkpoint; train.py breaks them by the lower validation loss)."""
+  errors = [(m["step"], round(m[key], 6)) for m in val if key in m]
+  best = min((e for _, e in errors), default=None)
+  return [step for step, e in errors if e == best]
 
 
 def _better_weights(rows):
@@ -296,6 +309,10 @@ SHORT_FIGURES = (("test_error", "test error, %"),
                  ("test_margin_loss", "mean test margin loss per example"),
                  ("affine_error", "affine-test error, %"))
 GRID_FIGURES = {"short": SHORT_FIGURES}
+# Beside the short protocol's registered measures, not part of its rule: a
+# figure no checkpoint choice touches (issue 41).
+SELECTION_FREE = (("last_val_loss", "validation loss at the last step "
+                   "(selection-free; descriptive)"),)
 
 
 def figures_of(grid):
@@ -350,10 +367,11 @@ def _duration(seconds):
   return f"{h} h {m:02d} min" if h else f"{m} min"
 
 
-def markdown(rows, comparisons=(), figures=FIGURES):
+def markdown(rows, comparisons=(), figures=FIGURES, descriptive=()):
   """The study's tables: one line per variant, one per run, then the paired
-  comparisons (of `figures`) and, where measured, how far routing moves the
-  couplings."""
+  comparisons (of `figures`; `descriptive`: of SELECTION_FREE, with where
+  the best-checkpoint ties fell) and, where measured, how far routing moves
+  the couplings."""
   lines = [
       "| variant | r | decoder | stop_gradient | lr decay every | seeds done "
       "| test error % (mean ± std) | per seed | best val error % | images/s "
@@ -392,7 +410,8 @@ def markdown(rows, comparisons=(), figures=FIGURES):
         cells += [_fmt(x["images_seen"], ",d"), _fmt(None if one is None else 100 * one, ".2f")]
       lines.append("| " + " | ".join(str(c) for c in cells) + " |")
   seed_table = _short_table(rows) if figures == SHORT_FIGURES else _seed_table(rows)
-  lines += (seed_table + _comparison_table(comparisons, figures) + _routing_table(rows)
+  lines += (seed_table + _comparison_table(comparisons, figures)
+            + _selection_table(rows, descriptive) + _routing_table(rows)
             + _affine_table(rows))
   return "\n".join(lines) + "\n"
 
@@ -463,7 +482,28 @@ def _affine_table(rows):
 
 
 # The format of a figure's differences (the others: +.3f).
-SPECS = {"test_margin_loss": "+.5f"}
+SPECS = {"test_margin_loss": "+.5f", "last_val_loss": "+.5f"}
+
+
+def _selection_table(rows, descriptive):
+  """Where the best-checkpoint ties fell, and the selection-free figure's
+  paired comparisons (`descriptive`); [] without them."""
+  if not descriptive:
+    return []
+  lines = ["", "Beside the registered measures (descriptive, not part of the rule): "
+           "the checkpoint each run scored, the steps tied at its lowest validation "
+           "error (train.py then kept the first of them; since issue 41 the lower "
+           "validation loss wins a tie), and the validation loss at the last step, "
+           "which no checkpoint choice touches:", "",
+           "| run | scored step | steps tied at the lowest val error | val loss, "
+           "last step |", "|---|---|---|---|"]
+  for r in rows:
+    for x in r["runs"]:
+      ties = x["tied_steps"]
+      lines.append(f"| {x['run']} | {_fmt(x['selected_step'], 'd')} | "
+                   f"{', '.join(map(str, ties)) if len(ties) > 1 else 'none'} | "
+                   f"{_fmt(x['last_val_loss'], '.5f')} |")
+  return lines + _comparison_table(descriptive, SELECTION_FREE)
 
 
 def _comparison_table(comparisons, figures=FIGURES):
@@ -676,13 +716,13 @@ TITLES = {"stop_gradient": "CapsNet on MNIST: routing variants",
 
 
 def report(rows, folder, title=TITLES["stop_gradient"], comparisons=(), figures=FIGURES,
-           shipped=()):
+           shipped=(), descriptive=()):
   """results.md, results.json (the rows; with comparisons: {"rows",
   "comparisons"}) and the plots in `folder`; with the short protocol's
   figures also affine.png (affine error per variant and block) and, where
   swept, affine_sweep.png (beside the `shipped` weights' sweep)."""
   os.makedirs(folder, exist_ok=True)
-  table = markdown(rows, comparisons, figures)
+  table = markdown(rows, comparisons, figures, descriptive)
   if shipped:
     table += ("\nThe shipped weights (pretrained/r3_recon, 50 epochs), same sweep: "
               + ", ".join(f"{d:g}°: {e:.2f}" for d, e in shipped) + "\n")
@@ -879,10 +919,14 @@ def main(argv):
   rows = summarize(FLAGS.out, FLAGS.grid, variants, seeds, FLAGS.epochs, schedules)
   figures = figures_of(FLAGS.grid)
   comparisons = compare(rows, pairs, figures)
+  descriptive = (compare(rows, pairs, SELECTION_FREE) if figures == SHORT_FIGURES
+                 else ())
   reference = shipped_sweep(FLAGS.out)
-  table = report(rows, FLAGS.out, TITLES[FLAGS.grid], comparisons, figures, reference)
+  table = report(rows, FLAGS.out, TITLES[FLAGS.grid], comparisons, figures, reference,
+                 descriptive)
   if FLAGS.publish:
-    report(rows, FLAGS.publish, TITLES[FLAGS.grid], comparisons, figures, reference)
+    report(rows, FLAGS.publish, TITLES[FLAGS.grid], comparisons, figures, reference,
+           descriptive)
     publish(FLAGS.out, rows, FLAGS.publish)
     if reference:   # (its affine_results.json)
       runs.RunFolder(shipped).copy_small_files(os.path.join(FLAGS.publish, SHIPPED))

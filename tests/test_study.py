@@ -358,3 +358,33 @@ def test_short_protocol_tables_compare_its_three_measures(tmp_path):
   assert "The shipped weights (pretrained/r3_recon, 50 epochs), same sweep: 0°: 0.70" in table
   assert {"affine.png", "affine_sweep.png", "val_error.png"} <= set(
       os.listdir(tmp_path / "report"))
+
+
+def test_short_report_shows_ties_and_the_selection_free_loss(tmp_path):
+  """Beside the short protocol's measures: the steps tied at the lowest
+  validation error, the step scored, and the validation loss at the last
+  step, with its paired comparison (descriptive)."""
+  out = str(tmp_path)
+  for variant, losses in (("r3_recon", [0.05, 0.04, 0.039]),
+                          ("r3_recon_nostop", [0.05, 0.04, 0.038])):
+    for seed, shift in ((0, 0.0), (1, 0.001)):
+      folder = study.run_dir(out, variant, seed, 14)
+      fake_run(folder, 1.0, [1.2, 1.1, 1.1], [0.1], epochs=1)
+      rows = [json.loads(l) for l in open(os.path.join(folder, "metrics.jsonl"))]
+      with open(os.path.join(folder, "metrics.jsonl"), "w") as f:
+        for row, loss in zip(rows, losses):
+          f.write(json.dumps(dict(row, val_loss=loss + shift)) + "\n")
+      with open(os.path.join(folder, "test_results.json"), "w") as f:
+        json.dump({"error_percent": 1.0, "count": 10000,
+                   "checkpoint": os.path.join(folder, "best", "model.ckpt-20")}, f)
+  rows = study.summarize(out, "short", ["r3_recon", "r3_recon_nostop"], range(2), 1, (14,))
+  run = rows[0]["runs"][1]
+  assert run["tied_steps"] == [20, 30] and run["selected_step"] == 20
+  assert run["last_val_loss"] == pytest.approx(0.040)
+  pairs = [("r3_recon", "r3_recon_nostop")]
+  descriptive = study.compare(rows, pairs, study.SELECTION_FREE)
+  assert descriptive[0]["last_val_loss"]["diffs"] == pytest.approx([-0.001, -0.001])
+  text = study.markdown(rows, study.compare(rows, pairs, study.SHORT_FIGURES),
+                        study.SHORT_FIGURES, descriptive)
+  assert "| r3_recon_decay14_seed1 | 20 | 20, 30 | 0.04000 |" in text
+  assert "validation loss at the last step (selection-free; descriptive)" in text
