@@ -21,7 +21,7 @@ CLI_CFG = network.ModelConfig(conv1_channels=16, primary_types=4, primary_dim=4,
 
 def fake_timer(fastest, calls=None):
   """A timer whose fastest method per layer is `fastest[layer]`; counts calls."""
-  def timer(conv, methods, dtype, training):
+  def timer(conv, methods, dtype, training, give_up=None):
     out = {}
     for method in methods:
       if calls is not None:
@@ -37,8 +37,9 @@ def test_plan_is_the_fastest_method_and_a_second_start_reads_the_cache(tmp_path)
   plan, report = planner.plan_convolutions(SMALL_CFG, 32, True, path=path,
                                            log=lines.append, timer=timer)
   assert plan == "conv1:patch_gemm,primary_caps:dft"
-  assert [c[:2] for c in calls] == [("conv1", m) for m in fast_conv.candidates(1)] + [
-      ("primary_caps", m) for m in fast_conv.candidates(2)]
+  # Every candidate, the fewest FLOPs (the DFT) first.
+  assert [c[:2] for c in calls] == [("conv1", m) for m in fast_conv.candidates(1)[::-1]] + [
+      ("primary_caps", m) for m in fast_conv.candidates(2)[::-1]]
   assert report["primary_caps"]["ms"] == {"conv2d": 2.0, "dilated": 2.0, "folded": 2.0,
                                           "dft": 1.0}
   assert not report["conv1"]["cached"] and lines == []
@@ -115,7 +116,7 @@ def test_what_is_planned_and_what_is_kept(tmp_path):
 
 
 def test_precision_auto_takes_the_faster_and_bf16_slower_is_said(tmp_path):
-  def timer(conv, methods, dtype, training):   # bf16 three times slower
+  def timer(conv, methods, dtype, training, give_up=None):   # bf16 three times slower
     return {m: 0.003 if dtype == "bfloat16" else 0.001 for m in methods}
   lines = []
   cfg, line = planner.plan_model(SMALL_CFG, 32, path=str(tmp_path / "p.json"),
@@ -128,7 +129,7 @@ def test_precision_auto_takes_the_faster_and_bf16_slower_is_said(tmp_path):
   assert lines == ["planner: bf16 is slower than fp32 on this CPU (6 against 2 ms a "
                    "batch of 32 in the planned convolutions; no AMX?): "
                    "--precision=fp32 or auto would train faster"]
-  fast_bf16 = lambda conv, methods, dtype, training: {
+  fast_bf16 = lambda conv, methods, dtype, training, give_up=None: {
       m: 0.001 if dtype == "bfloat16" else 0.003 for m in methods}
   cfg, _ = planner.plan_model(SMALL_CFG, 32, path=str(tmp_path / "q.json"),
                               precision_auto=True, timer=fast_bf16, log=lines.append)
@@ -228,3 +229,18 @@ def test_resume_after_a_replanned_cache_continues_bit_for_bit(tmp_path, monkeypa
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert json.load(open(os.path.join(stopped, "config.json")))["model"]["conv_plan"] == (
       "conv1:conv2d,primary_caps:dilated")
+
+
+def test_a_candidate_slow_in_its_warmup_is_given_up(monkeypatch):
+  """time_methods(give_up=3): a method whose warmup run takes over 3 times
+  the best time so far is not timed; its warmup time stands for it."""
+  import time as time_module
+  clock = iter([0.0, 1.0,          # dft: warmup 1 s
+                1.0, 2.0, 2.0, 3.0, 3.0, 4.0,   # dft: three timed runs of 1 s
+                4.0, 14.0])        # conv2d: warmup 10 s > 3 x 1 s: given up
+  monkeypatch.setattr(planner.time, "perf_counter", lambda: next(clock))
+  conv = planner.convolutions(SMALL_CFG, 4)[0]
+  times = planner.time_methods(conv, ["dft", "conv2d"], "float32", False, give_up=3.0)
+  assert times == {"dft": 1.0, "conv2d": 10.0}
+  assert next(clock, None) is None
+  del time_module

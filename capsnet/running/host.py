@@ -43,11 +43,14 @@ def _version(package):
 @functools.lru_cache(maxsize=None)
 def describe():
   """{"cpu": model name, "cores": logical CPUs, "flags": the KERNEL_FLAGS the
-  CPU has, "tensorflow": the installed version}."""
+  CPU has, "tensorflow": the installed version, "onednn": TF_ENABLE_ONEDNN_OPTS
+  as the project's programs import TensorFlow with it (`startup`: the user's
+  value, else "1")}."""
   model, found = _cpuinfo()
   return {"cpu": model, "cores": os.cpu_count(),
           "flags": [f for f in KERNEL_FLAGS if f in found],
-          "tensorflow": _version("tensorflow")}
+          "tensorflow": _version("tensorflow"),
+          "onednn": os.environ.get("TF_ENABLE_ONEDNN_OPTS", "1")}
 
 
 def has_amx():

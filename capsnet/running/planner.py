@@ -5,8 +5,8 @@ model (Conv1, PrimaryCaps) the candidate methods of `fast_conv` are timed on
 the layer's real shapes, compute dtype and batch (forward and the gradients
 training needs, or the forward alone for inference), and the fastest is
 used. The answer is remembered in a cache file (`cache_path`: a JSON of
-entries keyed by the CPU model and its kernel flags, TensorFlow's version,
-the layer's shapes, dtype, batch and mode), so a second start plans in no
+entries keyed by the CPU model and its kernel flags, TensorFlow's version
+and whether its oneDNN kernels are on (`startup`), the layer's shapes, dtype, batch and mode), so a second start plans in no
 time. On a GPU there is nothing to plan: TensorFlow's convolution (cuDNN
 plans itself).
 
@@ -30,6 +30,7 @@ from capsnet.running import host
 CACHE_VERSION = 1
 REPEATS = 3        # timed runs of each candidate (the median counts)
 WARMUP = 1         # untimed runs first (oneDNN builds its kernels)
+GIVE_UP = 3.0      # a candidate whose warmup run is 3x the best so far is not timed
 
 
 def cache_path():
@@ -75,16 +76,20 @@ def compute_dtype(cfg):
 def cache_key(conv, dtype, training):
   facts = host.describe()
   return json.dumps({"cpu": facts["cpu"], "flags": facts["flags"],
-                     "tensorflow": facts["tensorflow"], "dtype": dtype,
+                     "tensorflow": facts["tensorflow"], "onednn": facts["onednn"],
+                     "dtype": dtype,
                      "training": training, **dataclasses.asdict(conv)}, sort_keys=True)
 
 
-def time_methods(conv, methods, dtype, training, repeats=REPEATS, warmup=WARMUP):
+def time_methods(conv, methods, dtype, training, repeats=REPEATS, warmup=WARMUP,
+                 give_up=None):
   """Median seconds of one run of each of `methods` on `conv`: the forward
   pass and, for training, the weights' and bias's gradients (and the
   input's where the layer needs it), all in one graph on the CPU over the
   same input and weights. A method whose first timed run is over 1.5 times
-  the best median so far is not run again (it cannot win).
+  the best median so far is not run again (it cannot win); with `give_up`,
+  one whose first warmup run (kernel building included) is over `give_up`
+  times that best is not timed at all, and its warmup time stands for it.
 
   The input and weights are variables, not constants, so that grappler
   folds nothing away that training would compute; they are drawn in the
@@ -116,8 +121,17 @@ def time_methods(conv, methods, dtype, training, repeats=REPEATS, warmup=WARMUP)
     with tf.compat.v1.Session() as sess:
       sess.run(tf.compat.v1.global_variables_initializer())
       for method, op in ops.items():
-        for _ in range(warmup):
+        for k in range(warmup):
+          start = time.perf_counter()
           sess.run(op)
+          first = time.perf_counter() - start
+          if k == 0 and give_up and times and first > give_up * min(times.values()):
+            break
+        else:
+          first = None
+        if first is not None:
+          times[method] = first
+          continue
         runs = []
         for _ in range(repeats):
           start = time.perf_counter()
@@ -190,7 +204,10 @@ def plan_convolutions(cfg, batch, training, device=None, path=None, log=_say,
     key = cache_key(conv, dtype, training)
     entry = cache.get(key)
     if entry is None:
-      seconds = timer(conv, fast_conv.candidates(conv.stride), dtype, training)
+      # The fewest FLOPs first (the DFT, then the direct forms, conv2d last),
+      # so that a slow candidate is given up after its warmup run.
+      seconds = timer(conv, fast_conv.candidates(conv.stride)[::-1], dtype, training,
+                      give_up=GIVE_UP)
       ms = {m: round(1e3 * t, 3) for m, t in seconds.items()}
       entry = {"method": min(ms, key=ms.get), "ms": ms}
       cache.put(key, entry)

@@ -1,5 +1,18 @@
 """How the programs (train.py, eval.py, capsnet.pretrained) import
-TensorFlow: without its start-up notices, and without Keras.
+TensorFlow: with oneDNN, without its start-up notices, and without Keras.
+
+- oneDNN's CPU kernels on (TF_ENABLE_ONEDNN_OPTS=1) unless the user has set
+  TF_ENABLE_ONEDNN_OPTS. TensorFlow turns them on by itself only on CPUs
+  with AVX512-VNNI, AVX512-BF16 or AMX; elsewhere its own Eigen kernels run,
+  and there the step is far slower: on a 2-core AMD EPYC (Zen 3, AVX2, no
+  AVX-512) the fp32 training step by the DFT method trained 82.3 and 73.5
+  images/s with TF_ENABLE_ONEDNN_OPTS=0 against 191.2 and 221.2 with 1
+  (`python -m capsnet.bench --modes=train --variants=ours --convs=dft,conv2d
+  --precision=fp32 --rounds=1 --steps=5 --warmup=2 --peak_size=1024`, the
+  two settings alternating, 2026-12-03; docs/performance.md). Where
+  TensorFlow turns oneDNN on itself this changes nothing. float64, the
+  exactness tests' dtype, does not run in oneDNN. `host.describe` records
+  the setting, and the convolution plan is keyed by it.
 
 - TensorFlow's C++ start-up notices (oneDNN, CUDA stubs, CPU features) are
   hidden unless the user has set TF_CPP_MIN_LOG_LEVEL. Some are printed
@@ -18,11 +31,16 @@ import os
 import sys
 
 
+# TensorFlow's switch of its oneDNN kernels, read once, when it is imported.
+ONEDNN = "TF_ENABLE_ONEDNN_OPTS"
+
+
 def import_tensorflow():
   """Imports TensorFlow as the module docstring says (call before any other
   import of it; does nothing once it is imported)."""
   if "tensorflow" in sys.modules:
     return
+  os.environ.setdefault(ONEDNN, "1")
   with _without_keras():
     if "TF_CPP_MIN_LOG_LEVEL" in os.environ:
       import tensorflow  # noqa: F401
