@@ -6,9 +6,16 @@
 
 For each (variant, convolutions, precision, mode) a fresh child process
 builds the paper model, runs --warmup steps, then times --steps steps one by
-one and reports the median images/s, the achieved GFLOP/s (analytic FLOP
-count, below), its fraction of the matmul peak of its precision measured in
-the same round, and the child's peak RSS. `ours` is measured with each of
+one and reports the median images/s and the child's peak RSS; our training
+step also its GFLOP/s counted for the methods that ran and its fraction of
+its roofline on this host (`capsnet.roofline`: each part's FLOPs over the
+matmul peak or its bytes over the memory bandwidth, whichever is larger,
+both measured in the same round); other rows GFLOP/s with PrimaryCaps
+counted as a direct convolution. --profile books a traced step to the
+parts and prints each one's time against its own limit. Before each
+measurement the bench samples how busy other programs keep the machine
+(`host.others_busy`) and says in one line when it was not idle; the report
+then says "idle": false. `ours` is measured with each of
 --convs: `planned` (the host's plan, `capsnet.running.planner`, printed with
 the time it took) and the fixed choices (custom_grad, conv2d, dft); the
 report gives the planned step over each fixed one. Mode `layers` times
@@ -33,6 +40,7 @@ from unittest import mock
 from absl import app
 from absl import flags
 
+from capsnet import roofline
 from capsnet.running import files
 from capsnet.running import host
 from capsnet.running import startup
@@ -62,6 +70,8 @@ def define_flags():
   flags.DEFINE_integer("peak_size", 2048, "n of the n x n matmuls that measure "
                        "the machine's peak (smaller: quicker, less exact)",
                        lower_bound=64)
+  flags.DEFINE_integer("bandwidth_mb", 256, "MiB summed to measure the memory "
+                       "bandwidth (well above the caches)", lower_bound=1)
   flags.DEFINE_integer("rounds", 3, "interleaved rounds of every measurement; the "
                        "report gives their medians", lower_bound=1)
   flags.DEFINE_string("json", None, "also write the results here")
@@ -202,7 +212,11 @@ def _measure(variant, precision, mode, settings, conv, queue):
         times.append(time.perf_counter() - t)
   step = statistics.median(times)
   gflop = flops_per_image(cfg, mode == "train") * batch / 1e9
-  queue.put({"variant": variant, "precision": precision, "mode": mode,
+  costs = {}
+  if mode == "train" and variant == "ours":
+    costs = {part: [c.flops, c.bytes] for part, c in roofline.step_costs(
+        cfg, batch, roofline.methods_of(cfg)).items()}
+  queue.put({"costs": costs,"variant": variant, "precision": precision, "mode": mode,
              "conv": conv if variant == "ours" else "conv2d", "plan": cfg.conv_plan,
              "planning_s": planning,
              "batch_size": batch, "images_per_sec": batch / step,
@@ -211,23 +225,16 @@ def _measure(variant, precision, mode, settings, conv, queue):
              "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024})
 
 
-# Where a traced op's time is booked, by the first match in its name.
-PROFILE_GROUPS = (("Adam", "Adam updates"),
-                  ("primary_caps", "PrimaryCaps conv (forward, gradients)"),
-                  ("conv1", "Conv1 (forward, gradients)"),
-                  ("digit_caps", "u_hat and routing (forward, gradients)"),
-                  ("decoder", "decoder"))
-
-
 def _profile(precision, settings, queue, traces=3, top=12):
   """Child process: per-op times of our training step from TensorFlow's
   step trace, ops run one at a time (inter-op threads 1) so that their times
-  add up to the step; put the per-group totals and the top ops on `queue`."""
+  add up to the step; put the per-part totals (`roofline.part_of`), the top
+  ops and each part's FLOPs and bytes (`roofline.step_costs`) on `queue`."""
   import collections
   tf = _child_tensorflow()
   per_op = collections.Counter()
   with tf.Graph().as_default():
-    _, op, _ = _step_graph("ours", precision, "train", settings, settings["conv"])
+    cfg, op, _ = _step_graph("ours", precision, "train", settings, settings["conv"])
     config = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=1)
     with tf.compat.v1.Session(config=config) as sess:
       sess.run(tf.compat.v1.global_variables_initializer())
@@ -243,29 +250,80 @@ def _profile(precision, settings, queue, traces=3, top=12):
         for device in meta.step_stats.dev_stats:
           for node in device.node_stats:
             per_op[node.node_name] += node.all_end_rel_micros / 1000 / traces
-  groups = collections.Counter()
+  parts = collections.Counter()
   for name, ms in per_op.items():
-    label = next((g for key, g in PROFILE_GROUPS if key in name), "other")
-    groups[label] += ms
-  queue.put({"precision": precision, "untraced_step_ms": step_ms,
-             "traced_ms": sum(per_op.values()), "groups": dict(groups),
+    parts[roofline.part_of(name)] += ms
+  costs = roofline.step_costs(cfg, settings["batch_size"], roofline.methods_of(cfg))
+  queue.put({"precision": precision, "plan": cfg.conv_plan, "untraced_step_ms": step_ms,
+             "traced_ms": sum(per_op.values()), "parts": dict(parts),
+             "costs": {p: [c.flops, c.bytes] for p, c in costs.items()},
              "top_ops": per_op.most_common(top)})
 
 
 def profile(settings, precisions):
-  """Prints where the training step's time goes, per precision."""
-  reports = []
+  """Prints where the training step's time goes, per precision: each part's
+  time, FLOPs, bytes and fraction of its roofline on this host (the matmul
+  peak and memory bandwidth measured first, in the same run)."""
+  reports, busy = [], []
+  _idle("the memory bandwidth", busy)
+  bandwidth = _in_child(_bandwidth, settings["bandwidth_mb"])
   for precision in precisions:
+    _idle(f"the {precision} profile", busy)
+    peak = _in_child(_matmul_peak, "float32" if precision == "fp32" else "bfloat16",
+                     settings["peak_size"])
     r = _in_child(_profile, precision, settings)
+    costs = {p: roofline.Cost(*fb) for p, fb in r["costs"].items()}
+    r.update(matmul_peak_gflops=peak, bandwidth_gbs=bandwidth, busy_cores=busy[-1],
+             roofline=roofline.table(costs, r["parts"], peak, bandwidth))
     reports.append(r)
-    print(f"-- {precision}: traced ops {r['traced_ms']:.0f} ms "
-          f"(untraced step {r['untraced_step_ms']:.0f} ms)")
-    for label, ms in sorted(r["groups"].items(), key=lambda kv: -kv[1]):
-      print(f"{ms:8.1f} ms  {100 * ms / r['traced_ms']:4.1f}%  {label}")
+    print(f"-- {precision}: traced ops {r['traced_ms']:.0f} ms (untraced step "
+          f"{r['untraced_step_ms']:.0f} ms), plan {r['plan'] or settings['conv']}; "
+          f"matmul peak {peak:.0f} GFLOP/s, memory bandwidth {bandwidth:.1f} GB/s")
+    print(roofline_lines(r["roofline"]))
     print("top ops:")
     for name, ms in r["top_ops"]:
       print(f"{ms:8.1f} ms  {name}")
   return {"settings": settings, "profiles": reports}
+
+
+def roofline_lines(rows):
+  """The roofline table as text: a line a part, then the step."""
+  lines = [f"{'part':48s} {'ms':>8s} {'GFLOP':>7s} {'MB':>7s} {'limit ms':>9s}  of limit"]
+  for r in rows:
+    title = "the step (parts' limits summed)" if r["part"] == "step" else \
+        roofline.TITLES[r["part"]]
+    fraction = "n/a" if r["part"] == "other" or not r["limit_ms"] else \
+        f"{r['fraction']:.2f}"
+    lines.append(f"{title[:48]:48s} {r['ms']:8.1f} {r['gflop']:7.2f} {r['mb']:7.0f} "
+                 f"{r['limit_ms']:9.1f}  {fraction}")
+  return "\n".join(lines)
+
+
+def _bandwidth(megabytes, queue, reps=5):
+  """Child process: memory bandwidth in GB/s, the best rate of two streaming
+  forms (a sum: one read; `assign_add`: two reads and a write, as an
+  optimizer's update) over arrays of 32 MiB (the size of Adam's, partly in
+  a large L3) and of `megabytes`, each the best of `reps` runs, every core."""
+  tf = _child_tensorflow()
+  best_rate = 0.0
+  for size in sorted({32, megabytes}):
+    n = size * 2 ** 20 // 4
+    with tf.Graph().as_default():
+      x = tf.compat.v1.get_variable("x", [n], tf.float32, tf.ones_initializer())
+      y = tf.compat.v1.get_variable("y", [n], tf.float32, tf.ones_initializer())
+      forms = {"sum": (tf.reduce_sum(x), 4 * n),
+               "update": (tf.compat.v1.assign_add(y, x).op, 12 * n)}
+      with tf.compat.v1.Session() as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        for op, moved in forms.values():
+          sess.run(op)
+          best = float("inf")
+          for _ in range(reps):
+            t = time.perf_counter()
+            sess.run(op)
+            best = min(best, time.perf_counter() - t)
+          best_rate = max(best_rate, moved / best / 1e9)
+  queue.put(best_rate)
 
 
 def _measure_input(settings, queue, n=55000, batches=200):
@@ -345,6 +403,17 @@ def _child_tensorflow():
   return tf
 
 
+def _idle(label, samples):
+  """Samples how busy other programs keep the machine (`host.others_busy`)
+  before a measurement, appends it to `samples`, says it in one line if the
+  machine is not idle."""
+  cores = host.others_busy()
+  samples.append(cores or 0.0)
+  line = host.busy_line(f"bench: before {label}", cores)
+  if line:
+    print(line + "; its figures are marked not idle", flush=True)
+
+
 def _in_child(target, *args):
   ctx = multiprocessing.get_context("spawn")
   queue = ctx.Queue()
@@ -360,14 +429,19 @@ def _label(r):
 
 
 def _one_round(settings, precisions, variants, modes, convs=("custom_grad",)):
-  """Every measurement once, each in a fresh child; ratios within the round."""
+  """Every measurement once, each in a fresh child; ratios within the round.
+  Before each, how busy other programs keep the machine (`_idle`)."""
+  busy = []
+  _idle("the matmul peak", busy)
   peaks = {p: _in_child(_matmul_peak, "float32" if p == "fp32" else "bfloat16",
                         settings["peak_size"])
            for p in ["fp32"] + [p for p in precisions if p != "fp32"]}
-  print("matmul peak: " + ", ".join(f"{p} {g:.0f} GFLOP/s" for p, g in peaks.items()),
-        flush=True)
+  bandwidth = _in_child(_bandwidth, settings["bandwidth_mb"])
+  print("matmul peak: " + ", ".join(f"{p} {g:.0f} GFLOP/s" for p, g in peaks.items())
+        + f"; memory bandwidth {bandwidth:.1f} GB/s", flush=True)
   results = []
   if "input" in modes:
+    _idle("the input pipeline", busy)
     r = _in_child(_measure_input, settings)
     results.append(r)
     print(f"input pipeline (shift augmentation, batch {r['batch_size']}): "
@@ -375,6 +449,7 @@ def _one_round(settings, precisions, variants, modes, convs=("custom_grad",)):
   ratios = {}
   if "layers" in modes:
     for precision in precisions:
+      _idle(f"layers {precision}", busy)
       r = _in_child(_measure_layers, precision, settings)
       results.append(r)
       ms = r["ms"]
@@ -386,16 +461,24 @@ def _one_round(settings, precisions, variants, modes, convs=("custom_grad",)):
     for precision in precisions:
       for variant, conv in [(v, c) for v in variants for c in
                             (convs if v == "ours" else ("conv2d",))]:
+        _idle(f"{mode} {precision} {variant}/{conv}", busy)
         r = _in_child(_measure, variant, precision, mode, settings, conv)
+        r["busy_cores"] = busy[-1]
         r["fraction_of_fp32_peak"] = r["gflops"] / peaks["fp32"]
         r["fraction_of_peak"] = r["gflops"] / peaks[precision]
         r["fp32_limit_images_per_sec"] = peaks["fp32"] / r["gflop_per_image"]
+        costs = r.pop("costs")
+        if costs:   # ours, training: the method's own FLOPs against the roofline
+          costs = [roofline.Cost(*fb) for fb in costs.values()]
+          r["method_gflop"] = sum(c.flops for c in costs) / 1e9
+          r["limit_ms"] = 1e3 * sum(c.limit(peaks[precision], bandwidth) for c in costs)
+          r["fraction_of_limit"] = r["limit_ms"] / r["step_ms"]
         results.append(r)
         plan = (f"  plan {r['plan']} ({r['planning_s']:.1f} s)"
                 if r["planning_s"] is not None else "")
         print(f"{mode:5s} {precision:4s} {_label(r):17s} {r['images_per_sec']:7.1f} "
-              f"images/s {r['gflops']:6.1f} GFLOP/s = {r['fraction_of_peak']:.2f} of "
-              f"{precision} peak  peak RSS {r['peak_rss_mib']:6.0f} MiB{plan}", flush=True)
+              f"images/s  {_against(r, precision)}  peak RSS {r['peak_rss_mib']:6.0f} "
+              f"MiB{plan}", flush=True)
   for mode in (m for m in modes if m in ("train", "infer")):
     by = {(r["precision"], _label(r)): r["images_per_sec"]
           for r in results if r["mode"] == mode}
@@ -414,7 +497,18 @@ def _one_round(settings, precisions, variants, modes, convs=("custom_grad",)):
     for r in results:
       if r["mode"] == "train" and r["variant"] == "ours" and r["conv"] == convs[0]:
         ratios[f"input_over_train_{r['precision']}"] = fed / r["images_per_sec"]
-  return {"matmul_peak_gflops": peaks, "results": results, "ratios": ratios}
+  return {"matmul_peak_gflops": peaks, "bandwidth_gbs": bandwidth, "results": results,
+          "ratios": ratios, "busy_cores": max(busy)}
+
+
+def _against(r, precision):
+  """A step's rate against the machine: for our training step, the
+  method's own GFLOP/s and the fraction of its roofline (`roofline`); else
+  GFLOP/s counting PrimaryCaps as a direct convolution, whatever ran."""
+  if "fraction_of_limit" in r:
+    return (f"{r['method_gflop'] / r['step_ms'] * 1e3:6.1f} GFLOP/s, "
+            f"{r['fraction_of_limit']:.2f} of its limit ({r['limit_ms']:.0f} ms)")
+  return f"{r['gflops']:6.1f} GFLOP/s (direct-convolution count)"
 
 
 def summarize(rounds):
@@ -435,8 +529,11 @@ def summarize(rounds):
     results.append(merged)
   medians = lambda field: {k: statistics.median(rnd[field][k] for rnd in rounds)
                            for k in rounds[0][field]}
-  return {"matmul_peak_gflops": medians("matmul_peak_gflops"), "results": results,
-          "ratios": medians("ratios")}
+  busiest = max(r.get("busy_cores", 0.0) for r in rounds)
+  return {"matmul_peak_gflops": medians("matmul_peak_gflops"),
+          "bandwidth_gbs": statistics.median(r.get("bandwidth_gbs", 0) for r in rounds),
+          "results": results, "ratios": medians("ratios"), "busy_cores": busiest,
+          "idle": busiest < host.BUSY_CORES}
 
 
 def run(settings, precisions, variants, modes, rounds=1, convs=("custom_grad",)):
@@ -458,13 +555,17 @@ def run(settings, precisions, variants, modes, rounds=1, convs=("custom_grad",))
     else:
       plan = f"  plan {r['plan']}" if r["conv"] == "planned" else ""
       print(f"{r['mode']:5s} {r['precision']:4s} {_label(r):17s} "
-            f"{r['images_per_sec']:7.1f} images/s  {r['fraction_of_peak']:.2f} "
-            f"of {r['precision']} peak  peak RSS {r['peak_rss_mib']:6.0f} MiB{plan}")
+            f"{r['images_per_sec']:7.1f} images/s  {_against(r, r['precision'])}  "
+            f"peak RSS {r['peak_rss_mib']:6.0f} MiB{plan}")
   print("matmul peak: " + ", ".join(
-      f"{p} {g:.0f} GFLOP/s" for p, g in summary["matmul_peak_gflops"].items()))
+      f"{p} {g:.0f} GFLOP/s" for p, g in summary["matmul_peak_gflops"].items())
+      + f"; memory bandwidth {summary['bandwidth_gbs']:.1f} GB/s")
   for k, v in summary["ratios"].items():
     spread = [rnd["ratios"][k] for rnd in per_round]
     print(f"{k}: {v:.2f}x  (rounds: {', '.join(f'{x:.2f}' for x in spread)})")
+  if not summary["idle"]:
+    print(f"NOT IDLE: other programs kept up to {summary['busy_cores']:.1f} cores busy "
+          "during these rounds; the report is marked so (\"idle\": false)")
   return {"settings": dict(settings, rounds=rounds, convs=list(convs)),
           "host": host.describe(), **summary, "rounds": per_round}
 
@@ -485,7 +586,8 @@ def main(argv):
   del argv
   settings = {"batch_size": FLAGS.batch_size, "iter_routing": FLAGS.iter_routing,
               "conv": FLAGS.convs[0] if FLAGS.convs else "custom_grad",
-              "steps": FLAGS.steps, "warmup": FLAGS.warmup, "peak_size": FLAGS.peak_size}
+              "steps": FLAGS.steps, "warmup": FLAGS.warmup, "peak_size": FLAGS.peak_size,
+              "bandwidth_mb": FLAGS.bandwidth_mb}
   for c in FLAGS.convs:
     if c not in CONVS:
       raise app.UsageError(f"--convs: {c!r} is not one of {', '.join(CONVS)}")

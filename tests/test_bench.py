@@ -10,6 +10,7 @@ import pytest
 import tensorflow as tf
 
 from capsnet import bench
+from capsnet import roofline
 from capsnet.model import layers
 from capsnet.model import network
 from conftest import ROOT
@@ -135,8 +136,69 @@ def test_cli_profile_books_the_step_by_layer(tmp_path):
                 f"--json={path}")
   assert proc.returncode == 0, proc.stderr[-2000:]
   (report,) = json.loads(path.read_text())["profiles"]
-  groups = report["groups"]
-  assert set(groups) >= {"PrimaryCaps conv (forward, gradients)",
-                         "u_hat and routing (forward, gradients)", "Adam updates"}
-  assert sum(groups.values()) == pytest.approx(report["traced_ms"])
-  assert "top ops:" in proc.stdout
+  parts = report["parts"]
+  assert set(parts) >= {"conv1", "primary_caps/products", "u_hat", "routing", "adam"}
+  assert sum(parts.values()) == pytest.approx(report["traced_ms"])
+  rows = {r["part"]: r for r in report["roofline"]}
+  assert rows["step"]["ms"] == pytest.approx(report["traced_ms"])
+  # No part runs faster than its limit on this host (a claim of the model).
+  assert all(r["fraction"] <= 1 for r in rows.values() if r["fraction"] is not None)
+  assert report["bandwidth_gbs"] > 0 and report["matmul_peak_gflops"] > 0
+  assert "top ops:" in proc.stdout and "of limit" in proc.stdout
+
+
+def test_dft_multiply_adds_at_the_paper_shape():
+  """PrimaryCaps by the DFT at batch 128 (docs/performance.md): the input's
+  width and height transforms 0.26 G + 0.50 G, the products 4.78 G (Gauss's
+  three), the inverse 0.17 G, the kernel's transform 0.55 G."""
+  (x_tf, kernel, inverse), products = roofline.dft_multiply_adds(128, 20, 20, 256, 9,
+                                                                 256, 2)
+  assert (x_tf, products, inverse) == (2 * 20 * 10 * 20 * 128 * 256
+                                       + 4 * 19 * 20 * 10 * 128 * 256,
+                                       190 * 128 * 256 * 256 * 3,
+                                       4 * 6 * 19 * 10 * 128 * 256
+                                       + 2 * 6 * 6 * 10 * 128 * 256)
+  assert [round(v / 1e9, 2) for v in (x_tf, products, inverse, kernel)] == [
+      0.76, 4.78, 0.17, 0.55]
+
+
+def test_step_costs_of_the_paper_model():
+  """The training step's FLOPs by part: a direct PrimaryCaps is 3 x its
+  24.5 G multiply-adds (forward and both gradients); with the DFT its
+  products are 3 x 4.78 G; routing at r = 3 with the stop reads u_hat
+  (94.4 MB in fp32) 5 times forward and once backward."""
+  cfg = network.ModelConfig()
+  direct = roofline.step_costs(cfg, 128, {"conv1": "conv2d", "primary_caps": "dilated"})
+  assert direct["primary_caps/products"].flops == 2 * 3 * 128 * 36 * 81 * 256 * 256
+  assert direct["primary_caps/transforms"].flops == 0
+  dft = roofline.step_costs(cfg, 128, {"conv1": "patch_gemm", "primary_caps": "dft"})
+  assert dft["primary_caps/products"].flops == 2 * 3 * 190 * 128 * 256 * 256 * 3
+  u_hat_bytes = 4 * 128 * 1152 * 10 * 16
+  assert dft["routing"].bytes == 6 * u_hat_bytes
+  nostop = roofline.step_costs(dataclasses.replace(cfg, stop_gradient=False), 128,
+                               {"conv1": "patch_gemm", "primary_caps": "dft"})
+  assert nostop["routing"].bytes == 10 * u_hat_bytes
+  assert roofline.Cost(2e9, 1e9).limit(100.0, 10.0) == pytest.approx(0.1)   # memory
+  assert roofline.Cost(2e10, 1e8).limit(100.0, 10.0) == pytest.approx(0.2)  # compute
+
+
+def test_op_names_booked_to_parts():
+  assert [roofline.part_of(n) for n in (
+      "gradients/capsnet/primary_caps/dft/products/MatMul_grad/MatMul",
+      "capsnet/primary_caps/dft/MatMul_3", "capsnet/primary_caps/squash/mul",
+      "capsnet/conv1/Relu", "capsnet/digit_caps/transpose_2",
+      "capsnet/digit_caps/routing/iter_1/MatMul", "Adam/update_capsnet/conv1/weights",
+      "capsnet/decoder/fc1/MatMul", "margin_loss/Sum")] == [
+      "primary_caps/products", "primary_caps/transforms", "primary_caps/products",
+      "conv1", "u_hat", "routing", "adam", "decoder", "other"]
+
+
+def test_the_benchmark_imports_no_tensorflow_before_its_children_do():
+  """Its children import TensorFlow through `startup` (quietly, oneDNN on);
+  the module they import to find their target must not import it first."""
+  script = ("import sys; import capsnet.bench, capsnet.roofline; "
+            "print('tensorflow' in sys.modules)")
+  proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                        cwd=ROOT, timeout=120)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert proc.stdout.strip() == "False"

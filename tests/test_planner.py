@@ -231,16 +231,39 @@ def test_resume_after_a_replanned_cache_continues_bit_for_bit(tmp_path, monkeypa
       "conv1:conv2d,primary_caps:dilated")
 
 
-def test_a_candidate_slow_in_its_warmup_is_given_up(monkeypatch):
-  """time_methods(give_up=3): a method whose warmup run takes over 3 times
-  the best time so far is not timed; its warmup time stands for it."""
-  import time as time_module
-  clock = iter([0.0, 1.0,          # dft: warmup 1 s
-                1.0, 2.0, 2.0, 3.0, 3.0, 4.0,   # dft: three timed runs of 1 s
-                4.0, 14.0])        # conv2d: warmup 10 s > 3 x 1 s: given up
-  monkeypatch.setattr(planner.time, "perf_counter", lambda: next(clock))
-  conv = planner.convolutions(SMALL_CFG, 4)[0]
-  times = planner.time_methods(conv, ["dft", "conv2d"], "float32", False, give_up=3.0)
-  assert times == {"dft": 1.0, "conv2d": 10.0}
+def test_candidates_alternate_and_a_slow_warmup_is_given_up(monkeypatch):
+  """time_methods(give_up=3): every method warmed up, the hopeless one (its
+  warmup over 3 times the best so far) not timed; then the timed runs
+  alternate between the others, and one over 1.5 times the best first run
+  is not run again."""
+  clock = iter([0, 1,    2, 3.2,   4, 14,            # warmups: dft, dilated, conv2d
+                20, 21,  22, 23.1,                   # turn 1: dft 1.0, dilated 1.1
+                30, 31.5,  40, 41,                   # turn 2: dft 1.5, dilated 1.0
+                50, 50.5,  60, 61.2])                # turn 3: dft 0.5, dilated 1.2
+  monkeypatch.setattr(planner.time, "perf_counter", lambda: float(next(clock)))
+  conv = planner.convolutions(SMALL_CFG, 4)[1]
+  times = planner.time_methods(conv, ["dft", "dilated", "conv2d"], "float32", False,
+                               give_up=3.0)
+  assert times == pytest.approx({"dft": 1.0, "dilated": 1.1, "conv2d": 10.0})
   assert next(clock, None) is None
-  del time_module
+
+
+def test_a_plan_measured_on_a_busy_machine_is_said_marked_and_measured_again(
+    tmp_path, monkeypatch):
+  path, calls, lines = str(tmp_path / "plans.json"), [], []
+  timer = fake_timer({"conv1": "patch_gemm", "primary_caps": "dft"}, calls)
+  monkeypatch.setattr(planner.host, "others_busy", lambda: 1.2)
+  plan, _ = planner.plan_convolutions(SMALL_CFG, 32, True, path=path, log=lines.append,
+                                      timer=timer)
+  assert plan == "conv1:patch_gemm,primary_caps:dft" and len(lines) == 1
+  assert lines[0].startswith("planner: the machine was not idle: other programs kept "
+                             "1.2 of ")
+  cached = json.load(open(path))["entries"]
+  assert [e["busy_cores"] for e in cached.values()] == [1.2, 1.2]
+  calls.clear()   # still busy: the marked plan is used, not measured again
+  planner.plan_convolutions(SMALL_CFG, 32, True, path=path, log=lines.append, timer=timer)
+  assert calls == []
+  monkeypatch.setattr(planner.host, "others_busy", lambda: 0.0)   # idle: again
+  planner.plan_convolutions(SMALL_CFG, 32, True, path=path, log=lines.append, timer=timer)
+  assert len(calls) == 7 and len(lines) == 1
+  assert all("busy_cores" not in e for e in json.load(open(path))["entries"].values())

@@ -61,10 +61,10 @@ LAYERS = ("conv1", "primary_caps")
 
 
 def resolve_impl(conv_impl, device=None):
-  """"custom_grad" or "conv2d" for a model placed on `device`.
-
-  "auto" is "conv2d" on a GPU device (e.g. "/gpu:0", "/device:GPU:1") and
-  "custom_grad" anywhere else (the CPU, or no device given).
+  """The `conv_impl` a model placed on `device` computes with: "custom_grad",
+  "conv2d" or "dft" as given; "auto" (without a plan) is "conv2d" on a GPU
+  device (e.g. "/gpu:0", "/device:GPU:1") and "custom_grad" anywhere else
+  (the CPU, or no device given).
   Raises: ValueError for an unknown `conv_impl`.
   """
   if conv_impl not in IMPLS:
@@ -161,7 +161,8 @@ def conv2d(x, w, bias, stride, method, relu=False):
   if method == "conv2d":
     y = tf.nn.conv2d(x, w, strides=stride, padding="VALID")
   elif method == "dft":
-    y = _dft_conv(x, tf.convert_to_tensor(w), stride)
+    with tf.name_scope("dft"):
+      y = _dft_conv(x, tf.convert_to_tensor(w), stride)
   else:
     y = _strided_conv(x, tf.convert_to_tensor(w), stride, folded=method == "folded")
   y = tf.nn.bias_add(y, bias)
@@ -435,18 +436,19 @@ def _dft_conv(x, w, stride):
   wr, wi = _dft2(tf.cast(w, exact), krows, kcols)            # [bh, bw, c, n]
   flat = lambda t, last: tf.reshape(t, [bins, -1, last])
   xr, xi, wr, wi = flat(xr, c), flat(xi, c), flat(wr, n), flat(wi, n)
-  if compute == tf.bfloat16:
-    # Four products, not Gauss's three: their bfloat16 outputs are rounded,
-    # and Gauss's k1 - k3 cancels, doubling the error (measured:
-    # docs/performance.md).
-    low = lambda t: tf.cast(t, compute)
-    mm = lambda a, b: tf.cast(tf.matmul(low(a), low(b)), exact)
-    yr, yi = mm(xr, wr) + mm(xi, wi), mm(xi, wr) - mm(xr, wi)
-  else:
-    k1 = tf.matmul(xr + xi, wr)
-    k2 = tf.matmul(xr, -wi - wr)
-    k3 = tf.matmul(xi, wr - wi)
-    yr, yi = k1 - k3, k1 + k2
+  with tf.name_scope("products"):   # (the benchmark's roofline books them apart)
+    if compute == tf.bfloat16:
+      # Four products, not Gauss's three: their bfloat16 outputs are rounded,
+      # and Gauss's k1 - k3 cancels, doubling the error (measured:
+      # docs/performance.md).
+      low = lambda t: tf.cast(t, compute)
+      mm = lambda a, b: tf.cast(tf.matmul(low(a), low(b)), exact)
+      yr, yi = mm(xr, wr) + mm(xi, wi), mm(xi, wr) - mm(xr, wi)
+    else:
+      k1 = tf.matmul(xr + xi, wr)
+      k2 = tf.matmul(xr, -wi - wr)
+      k3 = tf.matmul(xi, wr - wi)
+      yr, yi = k1 - k3, k1 + k2
   yr = tf.reshape(yr, [nh, nw // 2 + 1, -1, n])             # [bh, bw, b, n]
   yi = tf.reshape(yi, [nh, nw // 2 + 1, -1, n])
   # Back along the height (complex, at the strided rows), then the width (real part).

@@ -4,12 +4,14 @@ A training step's speed, and which convolution method or precision wins,
 depend on the CPU (model and instruction sets) and on the TensorFlow build;
 `describe` reads them without importing TensorFlow, so that capsnet.study
 can record them beside each run (host.json) and the convolution planner can
-key its cache by them.
+key its cache by them. `others_busy` tells a timing whether other programs
+were using the machine.
 """
 import functools
 import importlib.metadata
 import os
 import platform
+import time
 
 # The CPU flags that decide which kernels oneDNN can use.
 KERNEL_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni",
@@ -53,6 +55,48 @@ def describe():
           "onednn": os.environ.get("TF_ENABLE_ONEDNN_OPTS", "1")}
 
 
-def has_amx():
-  """The CPU has AMX tiles for bfloat16 (where bf16 beats fp32)."""
-  return "amx_bf16" in describe()["flags"]
+def _cpu_ticks(path="/proc/stat"):
+  """(busy, total) clock ticks of all CPUs since boot, or None."""
+  try:
+    with open(path) as f:
+      values = [int(v) for v in f.readline().split()[1:]]
+  except (OSError, ValueError):
+    return None
+  idle = values[3] + (values[4] if len(values) > 4 else 0)   # idle, iowait
+  return sum(values) - idle, sum(values)
+
+
+def _own_ticks():
+  """Clock ticks this process and its waited-for children have used."""
+  times = os.times()
+  return (times.user + times.system + times.children_user + times.children_system) \
+      * os.sysconf("SC_CLK_TCK")
+
+
+# Cores other programs may keep busy before a timing is marked as not idle.
+BUSY_CORES = 0.3
+
+
+def others_busy(seconds=0.5):
+  """How many cores other programs kept busy over the next `seconds` (this
+  process's own use taken out; it should sleep meanwhile), from /proc/stat;
+  None where there is none; 0 with CAPSNET_ASSUME_IDLE=1 (the test suite,
+  whose workers share the machine on purpose)."""
+  if os.environ.get("CAPSNET_ASSUME_IDLE") == "1":
+    return 0.0
+  start, own = _cpu_ticks(), _own_ticks()
+  if start is None:
+    return None
+  time.sleep(seconds)
+  end, own_end = _cpu_ticks(), _own_ticks()
+  busy = (end[0] - start[0]) - (own_end - own)
+  total = end[1] - start[1]
+  return max(0.0, busy / total * (os.cpu_count() or 1)) if total else 0.0
+
+
+def busy_line(who, cores):
+  """The one line a timing prints when the machine was not idle, or None."""
+  if not cores or cores < BUSY_CORES:
+    return None
+  return (f"{who}: the machine was not idle: other programs kept {cores:.1f} of "
+          f"{os.cpu_count()} cores busy")

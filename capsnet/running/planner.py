@@ -86,10 +86,15 @@ def time_methods(conv, methods, dtype, training, repeats=REPEATS, warmup=WARMUP,
   """Median seconds of one run of each of `methods` on `conv`: the forward
   pass and, for training, the weights' and bias's gradients (and the
   input's where the layer needs it), all in one graph on the CPU over the
-  same input and weights. A method whose first timed run is over 1.5 times
-  the best median so far is not run again (it cannot win); with `give_up`,
-  one whose first warmup run (kernel building included) is over `give_up`
-  times that best is not timed at all, and its warmup time stands for it.
+  same input and weights.
+
+  Every method is warmed up first; then the timed runs alternate between
+  the methods (one run of each in turn, `repeats` turns), so that a slow
+  moment of the machine falls on all of them alike. A method whose first
+  timed run is over 1.5 times the best first run is not run again (it
+  cannot win); with `give_up`, one whose first warmup run (kernel building
+  included) is over `give_up` times the best warmup so far is not timed at
+  all, and its warmup time stands for it.
 
   The input and weights are variables, not constants, so that grappler
   folds nothing away that training would compute; they are drawn in the
@@ -117,30 +122,31 @@ def time_methods(conv, methods, dtype, training, repeats=REPEATS, warmup=WARMUP,
       # pruned (measured: 0.3 ms for a convolution of 0.7 s). The sums cost
       # the same for every method.
       ops[method] = [tf.reduce_sum(tf.cast(t, tf.float32)) for t in outs]
-    times = {}
+
+    def timed(op):
+      start = time.perf_counter()
+      sess.run(op)
+      return time.perf_counter() - start
+
+    given_up, warm, runs = {}, {}, {m: [] for m in ops}
     with tf.compat.v1.Session() as sess:
       sess.run(tf.compat.v1.global_variables_initializer())
       for method, op in ops.items():
         for k in range(warmup):
-          start = time.perf_counter()
-          sess.run(op)
-          first = time.perf_counter() - start
-          if k == 0 and give_up and times and first > give_up * min(times.values()):
-            break
-        else:
-          first = None
-        if first is not None:
-          times[method] = first
-          continue
-        runs = []
-        for _ in range(repeats):
-          start = time.perf_counter()
-          sess.run(op)
-          runs.append(time.perf_counter() - start)
-          if times and runs[0] > 1.5 * min(times.values()):
-            break
-        times[method] = statistics.median(runs)
-  return times
+          seconds = timed(op)
+          if k == 0:
+            if give_up and warm and seconds > give_up * min(warm.values()):
+              given_up[method] = seconds
+              break
+            warm[method] = seconds
+      live = [m for m in ops if m not in given_up]
+      for turn in range(repeats):
+        for method in live:
+          runs[method].append(timed(ops[method]))
+        if turn == 0:   # those that cannot win run no more
+          best = min(runs[m][0] for m in live)
+          live = [m for m in live if runs[m][0] <= 1.5 * best]
+  return {m: given_up[m] if m in given_up else statistics.median(runs[m]) for m in ops}
 
 
 class Cache:
@@ -199,17 +205,28 @@ def plan_convolutions(cfg, batch, training, device=None, path=None, log=_say,
         layer: {"method": "conv2d", "ms": {}, "cached": False} for layer in methods}
   dtype = compute_dtype(cfg)
   cache = Cache(path or cache_path(), log)
-  report, changed = {}, False
+  report, changed, busy, line = {}, False, None, None
   for conv in convolutions(cfg, batch):
     key = cache_key(conv, dtype, training)
     entry = cache.get(key)
+    if entry is not None and entry.get("busy_cores") is not None:
+      busy = host.others_busy() if busy is None else busy
+      if (busy or 0.0) < host.BUSY_CORES:
+        entry = None   # measured on a busy machine, and this one is idle: again
     if entry is None:
+      if line is None:
+        busy = host.others_busy() if busy is None else busy
+        line = host.busy_line("planner", busy) or ""
+        if line:
+          log(line + "; the plan is cached marked so, and measured again when idle")
       # The fewest FLOPs first (the DFT, then the direct forms, conv2d last),
       # so that a slow candidate is given up after its warmup run.
       seconds = timer(conv, fast_conv.candidates(conv.stride)[::-1], dtype, training,
                       give_up=GIVE_UP)
       ms = {m: round(1e3 * t, 3) for m, t in seconds.items()}
       entry = {"method": min(ms, key=ms.get), "ms": ms}
+      if line:
+        entry["busy_cores"] = round(busy, 2)
       cache.put(key, entry)
       changed = True
       report[conv.layer] = dict(entry, cached=False)
