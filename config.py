@@ -118,7 +118,10 @@ def define_train_flags():
                        "(0: no limit; for smoke tests)", lower_bound=0)
   flags.DEFINE_integer("batch_size", schedule.BATCH_SIZE, "training batch size (all towers)",
                        lower_bound=1)
-  flags.DEFINE_integer("eval_batch_size", 500, "batch size for validation/test",
+  # 200, not 500: at 500 the evaluation graph's intermediates took train.py's
+  # peak RSS from 1.44 to 2.03 GiB (a 10-step run with its validation and
+  # test, 2-core AMD EPYC, 2026-12-03), for 2.5 s less of 38 s.
+  flags.DEFINE_integer("eval_batch_size", 200, "batch size for validation/test",
                        lower_bound=1)
   flags.DEFINE_float("learning_rate", schedule.LEARNING_RATE, "Adam learning rate", lower_bound=0)
   flags.DEFINE_integer("decay_steps", schedule.DECAY_STEPS, "learning-rate decay period (steps)",
