@@ -159,6 +159,12 @@ def main(argv, fv=flags.FLAGS):
     reason = runs.damage(ckpt)
     if reason:
       raise runs.RunError(f"{ckpt}: damaged checkpoint ({reason})")
+    if s.conv_impl == "auto":   # every mode: the forward pass's plan on this host
+      batch = min(s.batch_size, len(s.images)) if s.images else s.batch_size
+      cfg, line = planner.plan_inference(cfg, batch, config.resolve_device(s.device,
+                                                                           "eval.py"))
+      if line:
+        print(line, file=sys.stderr, flush=True)
     if s.export_savedmodel:
       serving.export(cfg, ckpt, s.export_savedmodel, s.weights)
       print(f"wrote the SavedModel of {ckpt} to {s.export_savedmodel}")
@@ -272,10 +278,6 @@ def evaluate(cfg, ckpt, task, split, s, sweep=()):
   out_dir = s.out_dir
   images, labels = split[:2]
   device = config.resolve_device(s.device, "eval.py")
-  if s.conv_impl == "auto":
-    cfg, line = planner.plan_inference(cfg, s.batch_size, device)
-    if line:
-      print(line, file=sys.stderr, flush=True)
   with tf.Graph().as_default():
     ev = evaluation.build(cfg, s.batch_size, device, task, routing_stats=True)
     figure4 = None

@@ -274,7 +274,7 @@ def save(run, which, pos):
   checkpoints listed before stay listed and whole.
   """
   folder = run.folder.checkpoint_folder(which)
-  run.role.before_save(run.sess, run.g.state.global_step, pos.step)
+  run.role.before_save(run.sess, run.g.state.global_step, pos.step, run.folder)
   try:
     with run.stop.deferred():
       run.g.state.save(run.sess, which, folder, pos)

@@ -89,7 +89,6 @@ GRIDS = {   # grid: {variant: the train.py flags that make it}
                          dataset="multimnist"),
     },
 }
-SMALL_FILES = runs.SMALL_FILES
 LAST_EPOCHS = 10   # the decision rule's late validation figure: mean of the last 10
 AFFINE_SWEEP = tuple(range(0, 50, 5))   # the severity sweep's largest rotations
 SHIPPED = "shipped"   # <out>/shipped/: the shipped weights' affine results
@@ -891,6 +890,20 @@ def main(argv):
              "rotations in degrees between 0 and 180")
   sweep = [int(d) if d == int(d) else d for d in sweep]
   seeds = range(FLAGS.first_seed, FLAGS.first_seed + FLAGS.seeds)
+  if not FLAGS.train and not any(
+      os.path.isdir(run_dir(FLAGS.out, n, s, d)) for s in seeds for d in schedules
+      for n in variants):   # checked before any scoring
+    sys.exit(f"study: error: {FLAGS.out}: no run of the {FLAGS.grid} grid for seeds "
+             f"{seeds.start}-{seeds.stop - 1} (expected folders such as "
+             f"{run_name(variants[0], seeds.start, schedules[0])}/); a mistyped --out?")
+  try:
+    run_grid(grid, variants, seeds, schedules, settings, extra, pairs, sweep)
+  except runs.RunError as e:   # a damaged file, named with its line
+    sys.exit(f"study: error: {e}")
+
+
+def run_grid(grid, variants, seeds, schedules, settings, extra, pairs, sweep):
+  """Trains and scores what is missing, then reports (`main`'s checked flags)."""
   os.makedirs(FLAGS.out, exist_ok=True)
   for seed, decay_steps, name in ((s, d, n) for s in seeds for d in schedules
                                   for n in variants):

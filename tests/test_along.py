@@ -87,7 +87,10 @@ def test_no_reversal_when_calls_agree(blocks):
 
 
 def _along(*args):
-  return subprocess.run([sys.executable, "-m", "capsnet.along", *args],
+  # As a user starts it: TF_CPP_MIN_LOG_LEVEL unset (the suite sets it), so
+  # that TensorFlow, where a checkpoint is looked at, starts quietly (startup).
+  env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+  return subprocess.run([sys.executable, "-m", "capsnet.along", *args], env=env,
                         capture_output=True, text=True, cwd=ROOT, timeout=300)
 
 

@@ -257,9 +257,19 @@ def test_sigterm_to_the_launcher_saves_and_every_task_ends(tmp_path):
 @needs_mnist
 @pytest.mark.integration
 def test_a_worker_killed_without_a_word_ends_the_run_in_one_line(tmp_path):
+  """With both cores kept busy by other programs: the chief names the lost
+  worker whether it is inside a step or waiting for the update to be applied
+  before a checkpoint (where a loaded machine tends to find it)."""
   logdir = str(tmp_path / "run")
-  ended = _cluster_stopped_by(signal.SIGKILL, ("worker", 1), logdir,
-                              "--cluster_wait_secs=3")
+  load = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+          for _ in range(os.cpu_count() or 2)]
+  try:
+    ended = _cluster_stopped_by(signal.SIGKILL, ("worker", 1), logdir,
+                                "--cluster_wait_secs=3")
+  finally:
+    for p in load:
+      p.kill()
+      p.wait()
   assert [ended[k][0] for k in sorted(ended)] == [0, 1, -9], ended
   chief_lines = ended[("worker", 0)][1].strip().splitlines()
   assert re.fullmatch(r"train\.py: error: worker 1 at 127\.0\.0\.1:\d+ stopped answering: "
@@ -282,3 +292,20 @@ def test_the_chief_ending_on_an_error_ends_every_task(tmp_path):
   assert ended[("worker", 1)][1].strip().splitlines()[-1] == chief_last
   # The chief ends the ps task (else it would wait for its idle checks).
   assert "train.py: ps task 0 ends: done" in ended[("ps", 0)][1]
+
+
+def test_waiting_for_an_update_ends_when_the_watch_names_a_lost_worker():
+  """distributed.wait_for_global_step: the update of a step that waits for a
+  lost worker is never applied; the wait returns the watch's name for it
+  (the chief then names it, `roles`), and times out without one."""
+  import types
+  from capsnet.running import distributed
+  from capsnet.running import cluster_spec as spec
+  sess = types.SimpleNamespace(run=lambda _: 5)      # the global step stays at 5
+  watch = types.SimpleNamespace(lost=None)
+  assert distributed.wait_for_global_step(sess, None, 5, watch) is None   # applied
+  watch.lost = "worker 1 at 127.0.0.1:2222"
+  assert distributed.wait_for_global_step(sess, None, 6, watch) == watch.lost
+  with pytest.raises(spec.ClusterError, match=r"^the update of step 6 was not applied "
+                     r"within 0.2 s \(a worker gone\?\)$"):
+    distributed.wait_for_global_step(sess, None, 6, None, seconds=0.2)

@@ -16,7 +16,7 @@ import tensorflow as tf
 
 from capsnet.data import mnist
 from capsnet.data import tasks
-from conftest import ROOT
+from conftest import ROOT, needs_mnist
 
 
 def write_idx(path, array, magic=None):
@@ -291,8 +291,7 @@ def test_eval_pipeline_yields_every_example_once(n, batch):
 MNIST_DIR = os.path.join(ROOT, "data", "mnist")
 
 
-@pytest.mark.skipif(not os.path.isdir(MNIST_DIR) or len(os.listdir(MNIST_DIR)) < 4,
-                    reason=f"real MNIST files not in {MNIST_DIR} (.ci/run seeds them)")
+@needs_mnist   # (skips without the files, fails in CI)
 def test_real_mnist_md5_and_label_histograms():
   for name, md5, size in mnist.DATASETS["mnist"]["files"].values():
     path = os.path.join(MNIST_DIR, name)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from capsnet import study
+from capsnet.running import runs
 from capsnet.using import stats
 import forkserver
 from conftest import ROOT, SMALL, needs_mnist
@@ -134,7 +135,7 @@ def test_table1_grid_commands_and_schedules(tmp_path):
       "diagnostic.png", "r3_recon_decay143_seed0", "r3_recon_seed0", "results.json",
       "results.md", "val_error.png"]
   assert sorted(os.listdir(os.path.join(published, "r3_recon_seed0"))) == sorted(
-      set(study.SMALL_FILES) - {"routing.json", "host.json", "affine_results.json"})
+      set(runs.SMALL_FILES) - {"routing.json", "host.json", "affine_results.json"})
 
 
 @pytest.mark.integration
@@ -388,3 +389,43 @@ def test_short_report_shows_ties_and_the_selection_free_loss(tmp_path):
                         study.SHORT_FIGURES, descriptive)
   assert "| r3_recon_decay14_seed1 | 20 | 20, 30 | 0.04000 |" in text
   assert "validation loss at the last step (selection-free; descriptive)" in text
+
+
+def _study(*args):
+  # As a user starts it: TF_CPP_MIN_LOG_LEVEL unset (the suite sets it), so
+  # that TensorFlow, where a checkpoint is looked at, starts quietly (startup).
+  env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+  return subprocess.run([sys.executable, "-m", "capsnet.study", *args], env=env, cwd=ROOT,
+                        capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.integration
+def test_publish_of_a_folder_without_runs_refused_before_any_scoring(tmp_path):
+  """A mistyped --out: one line naming it, before the shipped weights'
+  affine sweep (13 minutes on a slow host) or anything else is written."""
+  empty = tmp_path / "empty"
+  empty.mkdir()
+  proc = _study("--grid=short", "--seeds=5", "--epochs=5", "--decay_steps=14",
+                f"--out={empty}", "--train=false", f"--publish={tmp_path / 'pub'}")
+  assert proc.returncode == 1
+  assert proc.stderr.strip().splitlines() == [
+      f"study: error: {empty}: no run of the short grid for seeds 0-4 (expected folders "
+      "such as r1_recon_decay14_seed0/); a mistyped --out?"]
+  assert os.listdir(empty) == [] and not (tmp_path / "pub").exists()
+
+
+@pytest.mark.integration
+def test_a_damaged_row_is_named_by_file_and_line(tmp_path):
+  out = tmp_path / "short"
+  for seed in range(2):
+    fake_run(study.run_dir(str(out), "r3_recon", seed, 14), 1.0, [1.2, 1.1], [0.1])
+  metrics = study.run_dir(str(out), "r3_recon", 1, 14) + "/metrics.jsonl"
+  lines = open(metrics).read().splitlines(keepends=True)
+  with open(metrics, "w") as f:
+    f.write(lines[0] + lines[1][:10] + "\n")
+  proc = _study("--grid=short", "--seeds=2", "--decay_steps=14", f"--out={out}",
+                "--train=false", "--shipped=")
+  assert proc.returncode == 1
+  assert proc.stderr.strip().splitlines() == [
+      f"study: error: {metrics}: line 2: not a JSON row (Expecting value: line 2 column "
+      "1 (char 11)); a damaged file (restore it from git or the run's copy)"]

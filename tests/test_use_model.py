@@ -145,6 +145,49 @@ def test_routing_picture_draws_the_models_coefficients(small_run, mnist_test_spl
     assert figure.shape == (28 * 6 + 16, 3 * 28 * 6 + 2 * 8, 3)
 
 
+@needs_mnist
+def test_an_interrupted_export_leaves_no_folder_and_the_next_one_cleans_up(
+    small_run, tmp_path, monkeypatch):
+  """A SavedModel is written beside its destination and renamed into place
+  whole: an export that fails while writing leaves nothing at the
+  destination, and the next export removes its half-written folder."""
+  ckpt, run = runs.resolve(small_run, "best")
+  cfg = runs.RunFolder(run).load_config()[0]
+  folder = str(tmp_path / "savedmodel")
+  real_save = tf.compat.v1.saved_model.Builder.save
+  def save_then_die(builder, *args, **kwargs):
+    real_save(builder, *args, **kwargs)
+    raise OSError(28, "No space left on device")
+  monkeypatch.setattr(tf.compat.v1.saved_model.Builder, "save", save_then_die)
+  with pytest.raises(OSError):
+    serving.export(cfg, ckpt, folder)
+  assert not os.path.exists(folder) and os.path.isdir(folder + ".partial")
+  monkeypatch.setattr(tf.compat.v1.saved_model.Builder, "save", real_save)
+  said = []
+  serving.export(cfg, ckpt, folder, log=said.append)
+  assert said == [f"{folder}.partial: removed, a half-written export (one that was "
+                  "stopped)"]
+  assert not os.path.exists(folder + ".partial")
+  assert os.path.exists(os.path.join(folder, "saved_model.pb"))
+
+
+@needs_mnist
+def test_conv_impl_auto_plans_for_own_images_too(small_run, mnist_test_split, tmp_path):
+  """--conv_impl=auto means the forward pass planned on this host in every
+  mode: with --images as when scoring a split (the same classes)."""
+  images, _ = mnist_test_split
+  paths = write_as_photos(images[:2], str(tmp_path))
+  plain = eval_here(f"--checkpoint={small_run}", "--images", *paths,
+                    f"--out_dir={tmp_path / 'a'}", "--json")
+  planned = eval_here(f"--checkpoint={small_run}", "--images", *paths, "--conv_impl=auto",
+                      f"--out_dir={tmp_path / 'b'}", "--json")
+  assert plain.returncode == planned.returncode == 0, planned.stderr[-2000:]
+  assert "planner: fp32 inference, conv1: " in planned.stderr
+  assert "planner:" not in plain.stderr
+  assert ([r["class"] for r in json.loads(planned.stdout)]
+          == [r["class"] for r in json.loads(plain.stdout)])
+
+
 @pytest.mark.integration
 @needs_mnist
 def test_savedmodel_loads_without_project_code(small_run, mnist_test_split, tmp_path):

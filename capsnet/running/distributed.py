@@ -309,15 +309,23 @@ def start_chief(sess, coord):
   return stop, threads
 
 
-def wait_for_global_step(sess, global_step, step, seconds=60):
+def wait_for_global_step(sess, global_step, step, watch=None, seconds=60):
   """Synchronous updates: a worker's step returns before the update it
-  contributed to is applied; waits until `global_step` reaches `step`."""
+  contributed to is applied; waits until `global_step` reaches `step`.
+
+  Returns: None, or what the `watch` names as lost (a worker that stopped
+  answering: the update waits for it in vain).
+  Raises: cluster_spec.ClusterError after `seconds` without either.
+  """
   deadline = time.time() + seconds
   while sess.run(global_step) < step:
+    if watch is not None and watch.lost:
+      return watch.lost
     if time.time() > deadline:
       raise cluster_spec.ClusterError(f"the update of step {step} was not applied within "
                                  f"{seconds} s (a worker gone?)")
     time.sleep(0.05)
+  return None
 
 
 def stop_chief(sess, coord, runner):

@@ -112,8 +112,8 @@ class OneProcess:
     del sess, coordination, fetched, stop
     return True
 
-  def before_save(self, sess, global_step, step):
-    """Before a checkpoint of `step` is written."""
+  def before_save(self, sess, global_step, step, folder):
+    """Before a checkpoint of `step` is written into `folder` (a RunFolder)."""
 
   def stop_early(self, sess, coordination, stop, step):
     """A stop signal ended the run at `step` (its checkpoint saved)."""
@@ -177,9 +177,13 @@ class _Task(OneProcess):
 
   def check_step(self, step, folder):
     if self.watch and self.watch.lost:
-      raise cluster_spec.ClusterError(
-          f"{self.watch.lost} stopped answering: step {step} was not applied; "
-          f"the last checkpoint is {folder.latest_checkpoint('latest')}")
+      raise self.lost_error(self.watch.lost, step, folder)
+
+  @staticmethod
+  def lost_error(lost, step, folder):
+    return cluster_spec.ClusterError(
+        f"{lost} stopped answering: step {step} was not applied; "
+        f"the last checkpoint is {folder.latest_checkpoint('latest')}")
 
 
 class Chief(_Task):
@@ -208,9 +212,11 @@ class Chief(_Task):
     distributed.hear_passed_on_stops(sess, coordination, fetched["stops_waiting"], stop)
     return True
 
-  def before_save(self, sess, global_step, step):
-    if self.sync:
-      distributed.wait_for_global_step(sess, global_step, step)
+  def before_save(self, sess, global_step, step, folder):
+    if self.sync:   # the update of `step` applied, or the worker it waits for named
+      lost = distributed.wait_for_global_step(sess, global_step, step, self.watch)
+      if lost:
+        raise self.lost_error(lost, step, folder)
 
   def stop_early(self, sess, coordination, stop, step):
     distributed.halt_workers(sess, coordination, self.info, stop.signum, step)

@@ -40,6 +40,7 @@ import socket
 import tempfile
 
 from capsnet.running import files
+from capsnet.running import startup
 
 
 class RunError(ValueError):
@@ -61,7 +62,9 @@ CHECKPOINT_PREFIX = "model.ckpt"   # <folder>/model.ckpt-<step>.index, ...
 
 
 def _tf():
-  """TensorFlow, imported on first use (see the module docstring)."""
+  """TensorFlow, imported on first use (see the module docstring), as the
+  programs import it (`startup`: quietly, oneDNN on)."""
+  startup.import_tensorflow()
   import tensorflow as tf   # pylint: disable=import-outside-toplevel
   return tf
 

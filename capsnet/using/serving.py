@@ -11,6 +11,7 @@ with the decoder, `reconstructions` (float32 `[N, H*W*C]` in [0, 1], from the
 predicted class's capsule).
 """
 import os
+import shutil
 
 import tensorflow as tf
 
@@ -55,13 +56,26 @@ def classify(cfg, ckpt, images, weights="auto"):
       return sess.run(outputs, {images_in: images})
 
 
-def export(cfg, ckpt, folder, weights="auto"):
-  """Writes a SavedModel (signature `serving_default`) of the checkpoint.
+def export(cfg, ckpt, folder, weights="auto", log=print):
+  """Writes a SavedModel (signature `serving_default`) of the checkpoint,
+  whole or not at all: into `<folder>.partial` beside it, renamed to
+  `folder` once complete. A `<folder>.partial` left by an export that was
+  killed is removed first, saying so.
 
   Raises: RunError if `folder` exists or the checkpoint does not fit.
   """
+  folder = os.path.normpath(folder)
   if os.path.exists(folder):
     raise runs.RunError(f"--export_savedmodel={folder}: exists; give a new folder")
+  partial = folder + ".partial"
+  if os.path.exists(partial):
+    log(f"{partial}: removed, a half-written export (one that was stopped)")
+    shutil.rmtree(partial)
+  _write_savedmodel(cfg, ckpt, partial, weights)
+  os.rename(partial, folder)
+
+
+def _write_savedmodel(cfg, ckpt, folder, weights):
   with tf.Graph().as_default():
     images, outputs, _ = _graph(cfg)
     with tf.compat.v1.Session() as sess:
