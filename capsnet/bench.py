@@ -316,14 +316,19 @@ def _bandwidth(megabytes, queue, reps=5):
       with tf.compat.v1.Session() as sess:
         sess.run(tf.compat.v1.global_variables_initializer())
         for op, moved in forms.values():
-          sess.run(op)
-          best = float("inf")
-          for _ in range(reps):
-            t = time.perf_counter()
-            sess.run(op)
-            best = min(best, time.perf_counter() - t)
-          best_rate = max(best_rate, moved / best / 1e9)
+          best_rate = max(best_rate, moved / _best_seconds(sess, op, reps) / 1e9)
   queue.put(best_rate)
+
+
+def _best_seconds(sess, op, reps):
+  """The shortest of `reps` runs of `op`, after one untimed run."""
+  sess.run(op)
+  best = float("inf")
+  for _ in range(reps):
+    t = time.perf_counter()
+    sess.run(op)
+    best = min(best, time.perf_counter() - t)
+  return best
 
 
 def _measure_input(settings, queue, n=55000, batches=200):
@@ -384,12 +389,7 @@ def _matmul_peak(dtype_name, n, queue, reps=10):
     prods = [tf.matmul(a, mats[4])[0, 0] for a in mats[:4]]
     with tf.compat.v1.Session() as sess:
       sess.run(tf.compat.v1.global_variables_initializer())
-      sess.run(prods)
-      best = float("inf")
-      for _ in range(reps):
-        t = time.perf_counter()
-        sess.run(prods)
-        best = min(best, time.perf_counter() - t)
+      best = _best_seconds(sess, prods, reps)
   queue.put(4 * 2 * n ** 3 / best / 1e9)
 
 
