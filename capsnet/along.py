@@ -136,16 +136,8 @@ def run_block(seed, settings, publish, extra=()):
         results[str(epoch)] = score(folder, epoch, folder + ".log")
         runs.RunFolder(folder).write_json(RESULTS_FILE, results)
     if publish:
-      copy_small_files(folder, os.path.join(publish, os.path.basename(folder)))
-
-
-def copy_small_files(folder, dest):
-  for name in SMALL_FILES:
-    src = os.path.join(folder, name)
-    if os.path.exists(src):
-      os.makedirs(dest, exist_ok=True)
-      with open(src, "rb") as f:
-        files.atomic_write(os.path.join(dest, name), f.read())
+      runs.RunFolder(folder).copy_small_files(
+          os.path.join(publish, os.path.basename(folder)), SMALL_FILES)
 
 
 # --------------------------------------------------------------------------

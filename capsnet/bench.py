@@ -477,7 +477,7 @@ def _one_round(settings, precisions, variants, modes, convs=("custom_grad",)):
         plan = (f"  plan {r['plan']} ({r['planning_s']:.1f} s)"
                 if r["planning_s"] is not None else "")
         print(f"{mode:5s} {precision:4s} {_label(r):17s} {r['images_per_sec']:7.1f} "
-              f"images/s  {_against(r, precision)}  peak RSS {r['peak_rss_mib']:6.0f} "
+              f"images/s  {_against(r)}  peak RSS {r['peak_rss_mib']:6.0f} "
               f"MiB{plan}", flush=True)
   for mode in (m for m in modes if m in ("train", "infer")):
     by = {(r["precision"], _label(r)): r["images_per_sec"]
@@ -501,7 +501,7 @@ def _one_round(settings, precisions, variants, modes, convs=("custom_grad",)):
           "ratios": ratios, "busy_cores": max(busy)}
 
 
-def _against(r, precision):
+def _against(r):
   """A step's rate against the machine: for our training step, the
   method's own GFLOP/s and the fraction of its roofline (`roofline`); else
   GFLOP/s counting PrimaryCaps as a direct convolution, whatever ran."""
@@ -555,7 +555,7 @@ def run(settings, precisions, variants, modes, rounds=1, convs=("custom_grad",))
     else:
       plan = f"  plan {r['plan']}" if r["conv"] == "planned" else ""
       print(f"{r['mode']:5s} {r['precision']:4s} {_label(r):17s} "
-            f"{r['images_per_sec']:7.1f} images/s  {_against(r, r['precision'])}  "
+            f"{r['images_per_sec']:7.1f} images/s  {_against(r)}  "
             f"peak RSS {r['peak_rss_mib']:6.0f} MiB{plan}")
   print("matmul peak: " + ", ".join(
       f"{p} {g:.0f} GFLOP/s" for p, g in summary["matmul_peak_gflops"].items())

@@ -205,20 +205,20 @@ def plan_convolutions(cfg, batch, training, device=None, path=None, log=_say,
         layer: {"method": "conv2d", "ms": {}, "cached": False} for layer in methods}
   dtype = compute_dtype(cfg)
   cache = Cache(path or cache_path(), log)
-  report, changed, busy, line = {}, False, None, None
+  report, changed, said = {}, False, False
+  busy = None   # cores other programs keep busy: sampled once, when first needed
   for conv in convolutions(cfg, batch):
     key = cache_key(conv, dtype, training)
     entry = cache.get(key)
-    if entry is not None and entry.get("busy_cores") is not None:
-      busy = host.others_busy() if busy is None else busy
-      if (busy or 0.0) < host.BUSY_CORES:
+    if entry is None or "busy_cores" in entry:
+      busy = (host.others_busy() or 0.0) if busy is None else busy
+      if entry is not None and busy < host.BUSY_CORES:
         entry = None   # measured on a busy machine, and this one is idle: again
     if entry is None:
-      if line is None:
-        busy = host.others_busy() if busy is None else busy
-        line = host.busy_line("planner", busy) or ""
-        if line:
-          log(line + "; the plan is cached marked so, and measured again when idle")
+      line = host.busy_line("planner", busy)
+      if line and not said:
+        log(line + "; the plan is cached marked so, and measured again when idle")
+        said = True
       # The fewest FLOPs first (the DFT, then the direct forms, conv2d last),
       # so that a slow candidate is given up after its warmup run.
       seconds = timer(conv, fast_conv.candidates(conv.stride)[::-1], dtype, training,

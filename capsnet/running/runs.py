@@ -311,12 +311,12 @@ class RunFolder:
     """host.json, or None."""
     return _read_json(self.file(HOST_FILE))
 
-  def copy_small_files(self, target):
-    """Copies the `SMALL_FILES` there are (never checkpoints) into the folder
-    `target` (created), as the study publishes a run; each file is written
-    whole or not at all (a crash leaves the earlier copy)."""
+  def copy_small_files(self, target, names=SMALL_FILES):
+    """Copies the files of `names` there are (never checkpoints) into the
+    folder `target` (created), as a study publishes a run; each file is
+    written whole or not at all (a crash leaves the earlier copy)."""
     os.makedirs(target, exist_ok=True)
-    for name in SMALL_FILES:
+    for name in names:
       if os.path.exists(self.file(name)):
         with open(self.file(name), "rb") as f:
           files.atomic_write(os.path.join(target, name), f.read())
