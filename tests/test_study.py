@@ -10,7 +10,6 @@ import pytest
 from capsnet import study
 from capsnet.running import runs
 from capsnet.using import stats
-import forkserver
 from conftest import ROOT, SMALL, needs_mnist
 
 
@@ -146,7 +145,7 @@ def test_study_cli_runs_then_skips(tmp_path):
           "--variants=r2_nostop", f"--out={out}", "--diag_every=5",
           "--val_every=10", "--", *SMALL, "--train_size=640"]
   env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
-  proc = forkserver.run(args, capture_output=True, text=True, cwd=ROOT, env=env,
+  proc = subprocess.run(args, capture_output=True, text=True, cwd=ROOT, env=env,
                         timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
   for name in ("results.md", "results.json", "val_error.png", "diagnostic.png",
@@ -173,7 +172,7 @@ def test_study_cli_runs_then_skips(tmp_path):
   assert routing["own"]["entropy"][1] < np.log(10)   # the second iteration moved c
   assert row["runs"][0]["routing"] == routing
   assert 0 <= routing["fixed"] + routing["broken"] <= routing["changed"] <= 10000
-  proc = forkserver.run(args, capture_output=True, text=True, cwd=ROOT, env=env,
+  proc = subprocess.run(args, capture_output=True, text=True, cwd=ROOT, env=env,
                         timeout=600)
   assert proc.returncode == 0
   assert "r2_nostop_seed0: complete, skipped" in proc.stdout
