@@ -46,7 +46,7 @@ from capsnet.running import host
 from capsnet.running import startup
 
 CONVS = ("planned", "custom_grad", "conv2d", "dft")
-MODES = ("train", "infer", "input", "layers")
+MODES = ("train", "infer", "input", "layers", "routing")
 
 
 def define_flags():
@@ -59,7 +59,9 @@ def define_flags():
   flags.DEFINE_list("modes", ["train", "infer", "input", "layers"],
                     "train, infer (model steps), input (the training input "
                     "pipeline alone: shuffle order, shift augmentation, batching) "
-                    "and/or layers (PrimaryCaps' convolution by each method)")
+                    "and/or layers (PrimaryCaps' convolution by each method); "
+                    "routing (routing alone: the paper's sums against the model's "
+                    "matmuls) when asked")
   flags.DEFINE_list("convs", list(CONVS), "the convolutions of `ours`: planned (the "
                     "host's measured plan) and/or fixed conv_impl choices "
                     "custom_grad, conv2d, dft (the baseline uses conv2d)")
@@ -375,6 +377,46 @@ def _measure_layers(precision, settings, queue):
              "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024})
 
 
+def _measure_routing(precision, settings, queue, repeats=7):
+  """Child process: routing alone (--iter_routing iterations, the stop on,
+  forward and the gradient to u_hat) at the paper's shapes, by
+  `routing.procedure_1` (the paper's sums) and by `routing.dynamic_routing`
+  (the matmuls the model uses), run in turn; ms, the median of `repeats`."""
+  tf = _child_tensorflow()
+  import numpy as np
+  from capsnet.model import network
+  from capsnet.model import routing
+  from capsnet.running import planner
+  cfg = network.ModelConfig(precision=precision)
+  shape = [settings["batch_size"], cfg.in_caps, cfg.num_classes, cfg.digit_dim]
+  forms = {"procedure_1": routing.procedure_1, "matmuls": routing.dynamic_routing}
+  with tf.Graph().as_default():
+    u_hat = tf.Variable(np.random.RandomState(0).normal(0, 0.05, shape).astype(
+        np.float32), name="u_hat")   # a variable: nothing is folded away
+    u_hat = tf.cast(u_hat, planner.compute_dtype(cfg))
+    ops = {}
+    for name, form in forms.items():
+      with tf.compat.v1.variable_scope(name):
+        v, _ = form(u_hat, settings["iter_routing"])
+        grad = tf.gradients(tf.reduce_sum(v * v), u_hat)[0]
+        # A scalar of both fetched (a group of them is pruned away after its
+        # first run): one pass over the gradient more, the same for each form.
+        ops[name] = tf.reduce_sum(tf.cast(v, tf.float32)) + tf.reduce_sum(
+            tf.cast(grad, tf.float32))
+    times = {name: [] for name in forms}
+    with tf.compat.v1.Session() as sess:
+      sess.run(tf.compat.v1.global_variables_initializer())
+      for i in range(2 + repeats):   # two untimed runs of each first
+        for name, op in ops.items():
+          t = time.perf_counter()
+          sess.run(op)
+          if i >= 2:
+            times[name].append(time.perf_counter() - t)
+  queue.put({"mode": "routing", "precision": precision, "shape": shape,
+             "ms": {n: 1e3 * statistics.median(t) for n, t in times.items()},
+             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024})
+
+
 def _matmul_peak(dtype_name, n, queue, reps=10):
   """Child process: best GFLOP/s of four independent n x n matmuls.
 
@@ -457,6 +499,17 @@ def _one_round(settings, precisions, variants, modes, convs=("custom_grad",)):
       print(f"layers {precision:4s} {r['layer']} forward + gradients: " + ", ".join(
           f"{m} {t:.1f} ms" for m, t in ms.items())
           + f"; conv2d/dft {ms['conv2d'] / ms['dft']:.2f}x", flush=True)
+  if "routing" in modes:
+    for precision in precisions:
+      _idle(f"routing {precision}", busy)
+      r = _in_child(_measure_routing, precision, settings)
+      results.append(r)
+      ms = r["ms"]
+      ratios[f"routing_{precision}_procedure_1_over_matmuls"] = (
+          ms["procedure_1"] / ms["matmuls"])
+      print(f"routing {precision:4s} r = {settings['iter_routing']}, u_hat {r['shape']}, "
+            "forward + gradient: " + ", ".join(f"{m} {t:.1f} ms" for m, t in ms.items())
+            + f"; procedure_1/matmuls {ms['procedure_1'] / ms['matmuls']:.2f}x", flush=True)
   for mode in (m for m in modes if m in ("train", "infer")):
     for precision in precisions:
       for variant, conv in [(v, c) for v in variants for c in
@@ -549,8 +602,8 @@ def run(settings, precisions, variants, modes, rounds=1, convs=("custom_grad",))
   for r in summary["results"]:
     if r["mode"] == "input":
       print(f"input pipeline {r['images_per_sec']:.0f} images/s")
-    elif r["mode"] == "layers":
-      print(f"layers {r['precision']:4s} {r['layer']}: " + ", ".join(
+    elif r["mode"] in ("layers", "routing"):
+      print(f"{r['mode']} {r['precision']:4s} {r.get('layer', '')}: " + ", ".join(
           f"{m} {t:.1f} ms" for m, t in r["ms"].items()))
     else:
       plan = f"  plan {r['plan']}" if r["conv"] == "planned" else ""
@@ -596,7 +649,7 @@ def main(argv):
       raise app.UsageError(f"--precision: {p!r} is not fp32 or bf16")
   for m in FLAGS.modes:
     if m not in MODES:
-      raise app.UsageError(f"--modes: {m!r} is not train, infer, input or layers")
+      raise app.UsageError(f"--modes: {m!r} is not one of {', '.join(MODES)}")
   for v in FLAGS.variants:
     if v not in ("ours", "tiled"):
       raise app.UsageError(f"--variants: {v!r} is not ours or tiled")
