@@ -35,7 +35,6 @@ import re
 import resource
 import statistics
 import time
-from unittest import mock
 
 from absl import app
 from absl import flags
@@ -114,9 +113,9 @@ def tiled_digit_caps(u, out_caps, out_dim, num_iters, stop_gradient, official=Fa
   stopped `u_hat` when `stop_gradient`.
 
   The signature, results and variable of `layers.digit_caps` (W [in_caps,
-  out_caps, in_dim, out_dim]), so that `_build` can put it in the place of
-  ours while `network.forward` builds the graph, and the rest of the model
-  (losses, decoder) is the same. The paper's layers only (`official` False).
+  out_caps, in_dim, out_dim]), so that `_build` puts it in the place of ours
+  and the rest of the model (losses, decoder) is the same. The paper's
+  layers only (`official` False).
   """
   import tensorflow as tf
   from capsnet.model import routing
@@ -148,22 +147,38 @@ def tiled_digit_caps(u, out_caps, out_dim, num_iters, stop_gradient, official=Fa
 
 
 def _build(variant, cfg, images, labels, train):
-  """The step op: a train op, or the inference predictions. The baseline is
-  the same model (losses, decoder, config) with `tiled_digit_caps` and
-  TensorFlow's own convolution gradients."""
+  """The step op: a train op, or the inference predictions."""
+  import tensorflow as tf
+  predictions, loss = model(variant, cfg, images, labels, train)
+  if not train:
+    return predictions
+  return tf.compat.v1.train.AdamOptimizer(1e-3).minimize(loss)
+
+
+def model(variant, cfg, images, labels, train):
+  """(predictions, loss) of `variant`'s model. The baseline is ours (its
+  layers below DigitCaps, losses and decoder) with `tiled_digit_caps` in
+  ours' place and TensorFlow's own convolutions."""
   import tensorflow as tf
   from capsnet.model import layers
   from capsnet.model import network
+  from capsnet.model import routing
   if variant == "ours":
     out = network.forward(images, labels, cfg, training=train)
-  else:   # the model's own forward, with the baseline layer in ours' place
-    baseline = dataclasses.replace(cfg, conv_impl="conv2d")
-    with mock.patch.object(layers, "digit_caps", tiled_digit_caps):
-      out = network.forward(images, labels, baseline, training=train)
-  if not train:
-    return out.predictions
-  opt = tf.compat.v1.train.AdamOptimizer(1e-3)
-  return opt.minimize(out.loss)
+    predictions, loss = out.predictions, out.loss
+  else:
+    precision = network.precision_policy(cfg)
+    images = tf.cast(images, precision.variables)
+    with tf.compat.v1.variable_scope("capsnet"):
+      x = layers.conv1(images, cfg.conv1_channels, cfg.conv1_kernel, precision, "conv2d")
+      u = layers.primary_caps(x, cfg.primary_types, cfg.primary_dim, cfg.primary_kernel,
+                              cfg.primary_stride, precision, "conv2d")
+      v, _, _ = tiled_digit_caps(u, cfg.num_classes, cfg.digit_dim, cfg.iter_routing,
+                                 cfg.stop_gradient)
+      predictions, _, margin, recon_loss, _ = network.HEADS["one_digit"].build(
+          v, routing.safe_norm(v), tf.cast(labels, tf.int32), images, cfg, train)
+      loss = tf.reduce_mean(margin + recon_loss)
+  return predictions, loss
 
 
 def _step_graph(variant, precision, mode, settings, conv="custom_grad"):
