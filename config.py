@@ -13,6 +13,7 @@ import tensorflow as tf
 
 from capsnet.data import multimnist
 from capsnet.data import tasks
+from capsnet.model import fast_conv
 from capsnet.model import network
 from capsnet.running import cluster_spec
 from capsnet.running import schedule
@@ -223,7 +224,7 @@ def resolve_device(device, program):
   where TensorFlow sees none becomes /cpu:0, said in one line."""
   if not device:
     return default_device()
-  if device.lower().startswith("/gpu") and not tf.config.list_physical_devices("GPU"):
+  if fast_conv.on_gpu(device) and not tf.config.list_physical_devices("GPU"):
     print(f"{program}: TensorFlow sees no GPU: the model runs on /cpu:0 instead "
           f"of {device}")
     return "/cpu:0"

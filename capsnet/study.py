@@ -44,6 +44,7 @@ import sys
 from absl import app
 from absl import flags
 
+from capsnet.data import affine
 from capsnet.data import tasks
 from capsnet.running import files
 from capsnet.running import host
@@ -882,13 +883,9 @@ def main(argv):
                                           "val_every")}
   try:
     pairs = parse_pairs(FLAGS.compare, grid)
-    sweep = [float(d) for d in FLAGS.affine_sweep]
+    sweep = [int(d) if d == int(d) else d for d in affine.parse_sweep(FLAGS.affine_sweep)]
   except ValueError as e:
     sys.exit(f"study: error: {e}")
-  if any(not 0 <= d <= 180 for d in sweep):
-    sys.exit(f"study: error: --affine_sweep={','.join(FLAGS.affine_sweep)}: expected "
-             "rotations in degrees between 0 and 180")
-  sweep = [int(d) if d == int(d) else d for d in sweep]
   seeds = range(FLAGS.first_seed, FLAGS.first_seed + FLAGS.seeds)
   if not FLAGS.train and not any(
       os.path.isdir(run_dir(FLAGS.out, n, s, d)) for s in seeds for d in schedules
