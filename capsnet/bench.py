@@ -59,8 +59,8 @@ def define_flags():
                     "train, infer (model steps), input (the training input "
                     "pipeline alone: shuffle order, shift augmentation, batching) "
                     "and/or layers (PrimaryCaps' convolution by each method); "
-                    "routing (routing alone: the paper's sums against the model's "
-                    "matmuls) when asked")
+                    "routing (routing alone, in float32 as under both precisions: "
+                    "the paper's sums against the model's matmuls) when asked")
   flags.DEFINE_list("convs", list(CONVS), "the convolutions of `ours`: planned (the "
                     "host's measured plan) and/or fixed conv_impl choices "
                     "custom_grad, conv2d, dft (the baseline uses conv2d)")
@@ -392,23 +392,22 @@ def _measure_layers(precision, settings, queue):
              "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024})
 
 
-def _measure_routing(precision, settings, queue, repeats=7):
+def _measure_routing(settings, queue, repeats=7):
   """Child process: routing alone (--iter_routing iterations, the stop on,
-  forward and the gradient to u_hat) at the paper's shapes, by
+  forward and the gradient to u_hat) at the paper's shapes, in the dtype it
+  runs in under both precisions (the variables', float32), by
   `routing.procedure_1` (the paper's sums) and by `routing.dynamic_routing`
   (the matmuls the model uses), run in turn; ms, the median of `repeats`."""
   tf = _child_tensorflow()
   import numpy as np
   from capsnet.model import network
   from capsnet.model import routing
-  from capsnet.running import planner
-  cfg = network.ModelConfig(precision=precision)
+  cfg = network.ModelConfig()
   shape = [settings["batch_size"], cfg.in_caps, cfg.num_classes, cfg.digit_dim]
   forms = {"procedure_1": routing.procedure_1, "matmuls": routing.dynamic_routing}
   with tf.Graph().as_default():
     u_hat = tf.Variable(np.random.RandomState(0).normal(0, 0.05, shape).astype(
-        np.float32), name="u_hat")   # a variable: nothing is folded away
-    u_hat = tf.cast(u_hat, planner.compute_dtype(cfg))
+        cfg.dtype), name="u_hat")   # a variable: nothing is folded away
     ops = {}
     for name, form in forms.items():
       with tf.compat.v1.variable_scope(name):
@@ -416,8 +415,7 @@ def _measure_routing(precision, settings, queue, repeats=7):
         grad = tf.gradients(tf.reduce_sum(v * v), u_hat)[0]
         # A scalar of both fetched (a group of them is pruned away after its
         # first run): one pass over the gradient more, the same for each form.
-        ops[name] = tf.reduce_sum(tf.cast(v, tf.float32)) + tf.reduce_sum(
-            tf.cast(grad, tf.float32))
+        ops[name] = tf.reduce_sum(v) + tf.reduce_sum(grad)
     times = {name: [] for name in forms}
     with tf.compat.v1.Session() as sess:
       sess.run(tf.compat.v1.global_variables_initializer())
@@ -427,7 +425,7 @@ def _measure_routing(precision, settings, queue, repeats=7):
           sess.run(op)
           if i >= 2:
             times[name].append(time.perf_counter() - t)
-  queue.put({"mode": "routing", "precision": precision, "shape": shape,
+  queue.put({"mode": "routing", "precision": cfg.dtype, "shape": shape,
              "ms": {n: 1e3 * statistics.median(t) for n, t in times.items()},
              "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024})
 
@@ -514,17 +512,15 @@ def _one_round(settings, precisions, variants, modes, convs=("custom_grad",)):
       print(f"layers {precision:4s} {r['layer']} forward + gradients: " + ", ".join(
           f"{m} {t:.1f} ms" for m, t in ms.items())
           + f"; conv2d/dft {ms['conv2d'] / ms['dft']:.2f}x", flush=True)
-  if "routing" in modes:
-    for precision in precisions:
-      _idle(f"routing {precision}", busy)
-      r = _in_child(_measure_routing, precision, settings)
-      results.append(r)
-      ms = r["ms"]
-      ratios[f"routing_{precision}_procedure_1_over_matmuls"] = (
-          ms["procedure_1"] / ms["matmuls"])
-      print(f"routing {precision:4s} r = {settings['iter_routing']}, u_hat {r['shape']}, "
-            "forward + gradient: " + ", ".join(f"{m} {t:.1f} ms" for m, t in ms.items())
-            + f"; procedure_1/matmuls {ms['procedure_1'] / ms['matmuls']:.2f}x", flush=True)
+  if "routing" in modes:   # in float32 under either precision: measured once
+    _idle("routing", busy)
+    r = _in_child(_measure_routing, settings)
+    results.append(r)
+    ms = r["ms"]
+    ratios["routing_procedure_1_over_matmuls"] = ms["procedure_1"] / ms["matmuls"]
+    print(f"routing {r['precision']} r = {settings['iter_routing']}, u_hat {r['shape']}, "
+          "forward + gradient: " + ", ".join(f"{m} {t:.1f} ms" for m, t in ms.items())
+          + f"; procedure_1/matmuls {ms['procedure_1'] / ms['matmuls']:.2f}x", flush=True)
   for mode in (m for m in modes if m in ("train", "infer")):
     for precision in precisions:
       for variant, conv in [(v, c) for v in variants for c in

@@ -79,6 +79,18 @@ def test_the_baseline_model_is_ours_with_the_tiled_digit_caps(tiny_cfg):
   np.testing.assert_allclose(out["ours"][1], out["tiled"][1], rtol=1e-10)
 
 
+def test_routing_mode_times_both_forms_in_float32():
+  """--modes=routing: the paper's sums and the model's matmuls, each a
+  positive time, at the paper's capsule counts, in float32 (routing's dtype
+  under both precisions)."""
+  import queue
+  out = queue.Queue()
+  bench._measure_routing({"batch_size": 2, "iter_routing": 3}, out, repeats=2)
+  r = out.get()
+  assert (r["mode"], r["precision"], r["shape"]) == ("routing", "float32", [2, 1152, 10, 16])
+  assert set(r["ms"]) == {"procedure_1", "matmuls"} and min(r["ms"].values()) > 0
+
+
 def _bench(*args, quiet=True, env=None):
   """quiet=False: TF_CPP_MIN_LOG_LEVEL unset, as a user's shell has it; env:
   more variables."""

@@ -17,7 +17,8 @@ read `u_hat` in place, viewed as `[batch, in_caps, out_caps * out_dim]`
 - the agreement: `u_hat @ V`, with `V[(j, d), j'] = v_jd delta_jj'`
   block-diagonal.
 The two agree to rounding (tests/test_routing.py, float64); what the
-matmuls buy on this machine: `python -m capsnet.bench --modes=routing`.
+matmuls buy on this machine: `python -m capsnet.bench --modes=routing`
+(routing runs in float32 under both precisions).
 """
 import tensorflow as tf
 
