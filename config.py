@@ -13,6 +13,7 @@ import tensorflow as tf
 
 from capsnet.data import multimnist
 from capsnet.data import tasks
+from capsnet.model import fast_conv
 from capsnet.model import network
 from capsnet.running import cluster_spec
 from capsnet.running import schedule
@@ -25,52 +26,16 @@ def default_data_dir(dataset):
   """data/<the task's files>: data/<dataset>; MultiMNIST is made from data/mnist."""
   return f"data/{tasks.get(dataset).files}"
 
-_MODEL_HELP = {
-    "image_size": "input height = width in pixels",
-    "image_channels": "input channels",
-    "num_classes": "number of classes = DigitCaps",
-    "conv1_channels": "Conv1 filters",
-    "conv1_kernel": "Conv1 kernel size",
-    "primary_types": "PrimaryCaps capsule types",
-    "primary_dim": "PrimaryCaps capsule dimension",
-    "primary_kernel": "PrimaryCaps kernel size",
-    "primary_stride": "PrimaryCaps stride",
-    "digit_dim": "DigitCaps capsule dimension",
-    "iter_routing": "routing iterations r (Procedure 1)",
-    "stop_gradient": "inner routing iterations read stop_gradient(u_hat)",
-    "capsule_layers": "paper: the layers and initialisers of the paper's text; "
-                      "official: those of the authors' code (PrimaryCaps "
-                      "divided by its 32 types plus a bias, a bias on DigitCaps' "
-                      "s_j, truncated-normal weights, biases 0.1; see README)",
-    "m_plus": "margin loss m+",
-    "m_minus": "margin loss m-",
-    "down_weight": "margin loss lambda (weight of absent classes)",
-    "decoder_units": "decoder hidden layer sizes",
-    "use_decoder": "train with the reconstruction decoder",
-    "recon_weight": "weight of the summed squared reconstruction error",
-    "dtype": "variable and routing dtype: float32 or float64",
-    "precision": "fp32, or bf16: convolutions and decoder matmuls in bfloat16 "
-                 "(mixed; variables, u_hat, routing and losses in float32; fast "
-                 "on a CPU with AMX), or (train.py) auto: the one the planner "
-                 "measures faster on this host, recorded in config.json",
-    "conv_impl": "how the convolutions are computed: auto (train.py: each "
-                 "convolution's fastest method measured on this host and cached, "
-                 "conv_plan; TensorFlow's on a GPU; without a plan custom_grad on "
-                 "the CPU), custom_grad (strided gradients as stride-1 "
-                 "convolutions, in bf16 also the strided forward over 4 images "
-                 "side by side; Conv1's filter gradient as one GEMM), conv2d "
-                 "(TensorFlow's conv2d and gradients; cuDNN on a GPU) or dft "
-                 "(strided convolutions by an exact discrete Fourier transform)",
-    "conv_plan": "each convolution's method, conv1:M,primary_caps:M (M: conv2d, "
-                 "patch_gemm, dilated, folded, dft); empty: conv_impl decides "
-                 "(train.py records the measured plan in config.json)",
-}
+# What a flag adds to its ModelConfig field's description.
+_FLAG_ONLY = {"precision": ", or (train.py) auto: the one the planner measures faster "
+                           "on this host, recorded in config.json"}
 
 
 def define_model_flags():
   """One flag per ModelConfig field, default = the paper's value."""
   for field in dataclasses.fields(network.ModelConfig):
-    name, default, help_ = field.name, field.default, _MODEL_HELP[field.name]
+    name, default = field.name, field.default
+    help_ = field.metadata["help"] + _FLAG_ONLY.get(name, "")
     if isinstance(default, bool):
       flags.DEFINE_bool(name, default, help_)
     elif isinstance(default, int):
@@ -223,7 +188,7 @@ def resolve_device(device, program):
   where TensorFlow sees none becomes /cpu:0, said in one line."""
   if not device:
     return default_device()
-  if device.lower().startswith("/gpu") and not tf.config.list_physical_devices("GPU"):
+  if fast_conv.on_gpu(device) and not tf.config.list_physical_devices("GPU"):
     print(f"{program}: TensorFlow sees no GPU: the model runs on /cpu:0 instead "
           f"of {device}")
     return "/cpu:0"

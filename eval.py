@@ -49,20 +49,6 @@ from capsnet.using import pictures  # noqa: E402
 from capsnet.using import serving  # noqa: E402
 
 
-PERTURBATIONS = np.round(np.arange(-0.25, 0.2501, 0.05), 2)   # 11 values
-
-
-def tile(images, columns, gap=2):
-  """`[n, h, w]` floats in [0, 1] -> one uint8 `[H, W, 1]` grid, row-major."""
-  n, h, w = images.shape
-  rows = -(-n // columns)
-  grid = np.ones([rows * (h + gap) - gap, columns * (w + gap) - gap], np.float32)
-  for k, img in enumerate(images):
-    r, c = divmod(k, columns)
-    grid[r * (h + gap):r * (h + gap) + h, c * (w + gap):c * (w + gap) + w] = img
-  return (np.clip(grid, 0, 1) * 255).round().astype(np.uint8)[..., None]
-
-
 @dataclasses.dataclass(frozen=True)
 class Settings:
   """eval.py's flags, read once in `main`."""
@@ -159,10 +145,10 @@ def main(argv, fv=flags.FLAGS):
     reason = runs.damage(ckpt)
     if reason:
       raise runs.RunError(f"{ckpt}: damaged checkpoint ({reason})")
+    s = dataclasses.replace(s, device=config.resolve_device(s.device, "eval.py"))
     if s.conv_impl == "auto":   # every mode: the forward pass's plan on this host
       batch = min(s.batch_size, len(s.images)) if s.images else s.batch_size
-      cfg, line = planner.plan_inference(cfg, batch, config.resolve_device(s.device,
-                                                                           "eval.py"))
+      cfg, line = planner.plan_inference(cfg, batch, s.device)
       if line:
         print(line, file=sys.stderr, flush=True)
     if s.export_savedmodel:
@@ -208,13 +194,9 @@ def affine_sweep(s):
   if s.affine_sweep and s.split != "affine":
     raise runs.RunError(f"--affine_sweep={','.join(s.affine_sweep)}: needs --split=affine")
   try:
-    degrees = [float(d) for d in s.affine_sweep]
-  except ValueError:
-    degrees = [-1.0]
-  if any(not 0 <= d <= 180 for d in degrees):
-    raise runs.RunError(f"--affine_sweep={','.join(s.affine_sweep)}: expected "
-                        "rotations in degrees between 0 and 180")
-  return degrees
+    return affine.parse_sweep(s.affine_sweep)
+  except ValueError as e:
+    raise runs.RunError(str(e)) from None
 
 
 def classify_files(cfg, ckpt, s):
@@ -238,7 +220,7 @@ def classify_files(cfg, ckpt, s):
         images[k][..., 0], r.get("reconstructions"), r["lengths"], r["classes"])))
     grids = pictures.routing_grids(r["couplings"], r["classes"], cfg.primary_size,
                                    cfg.primary_types)
-    entropies = [pictures.mean_entropy(c) for c in r["couplings"]]
+    entropies = [float(e) for e in r["routing_entropy"]]
     files.atomic_write(stem + "_routing.png", pictures.encode_png(
         pictures.routing_figure(images[k][..., 0], grids, entropies,
                                 (cfg.conv1_kernel, cfg.primary_kernel),
@@ -277,18 +259,15 @@ def evaluate(cfg, ckpt, task, split, s, sweep=()):
   """
   out_dir = s.out_dir
   images, labels = split[:2]
-  device = config.resolve_device(s.device, "eval.py")
   with tf.Graph().as_default():
-    ev = evaluation.build(cfg, s.batch_size, device, task, routing_stats=True)
+    ev = evaluation.build(cfg, s.batch_size, s.device, task, routing_stats=True)
     figure4 = None
     if cfg.use_decoder:
       v_in = tf.compat.v1.placeholder(ev.outputs.v.dtype, ev.outputs.v.shape)
       class_in = tf.compat.v1.placeholder(tf.int32, [None])
       figure4 = (v_in, class_in, network.decode(v_in, class_in, cfg))
     saver, weights = runs.model_saver(ckpt, tf.compat.v1.global_variables(), s.weights)
-    proto = tf.compat.v1.ConfigProto(allow_soft_placement=True)
-    proto.gpu_options.allow_growth = True
-    with tf.compat.v1.Session(config=proto) as sess:
+    with tf.compat.v1.Session(config=config.session_config([s.device])) as sess:
       saver.restore(sess, ckpt)
       res = evaluation.run(sess, ev, *split)
       result = dict(evaluation.summary(res), checkpoint=ckpt, dataset=s.dataset,
@@ -346,23 +325,17 @@ def write_pictures(sess, ev, figure4, images, labels, cfg, s, out_dir):
   size = cfg.image_size
   pairs = np.stack([inputs[:s.num_images, ..., 0],
                     recon[:s.num_images].reshape(-1, size, size)], axis=1)
-  png = tf.io.encode_png(tile(pairs.reshape(-1, size, size), columns=8))
-  files.atomic_write(os.path.join(out_dir, "reconstructions.png"), sess.run(png))
+  files.atomic_write(os.path.join(out_dir, "reconstructions.png"), pictures.encode_png(
+      pictures.tile(pairs.reshape(-1, size, size), columns=8)))
   # Figure 4: for each image, 16 rows (dimensions) x 11 columns (perturbations).
   v_in, class_in, decoded = figure4
   blocks = []
   for k in range(s.figure4_images):
-    caps = np.repeat(v[k][None], cfg.digit_dim * len(PERTURBATIONS), axis=0)
-    caps = caps.reshape(cfg.digit_dim, len(PERTURBATIONS), cfg.num_classes, cfg.digit_dim)
-    for d in range(cfg.digit_dim):
-      caps[d, :, pred[k], d] += PERTURBATIONS
-    out = sess.run(decoded, {v_in: caps.reshape(-1, cfg.num_classes, cfg.digit_dim),
-                             class_in: np.full(len(caps) * len(PERTURBATIONS), pred[k])})
+    caps = pictures.perturbed_capsules(v[k], pred[k])
+    out = sess.run(decoded, {v_in: caps, class_in: np.full(len(caps), pred[k])})
     blocks.append(out.reshape(-1, size, size))
-  tiles = [tile(b, columns=len(PERTURBATIONS)) for b in blocks]
-  gap = np.full([tiles[0].shape[0], 8, 1], 255, np.uint8)
-  grid = np.concatenate(sum(([t, gap] for t in tiles), [])[:-1], axis=1)
-  files.atomic_write(os.path.join(out_dir, "figure4.png"), sess.run(tf.io.encode_png(grid)))
+  files.atomic_write(os.path.join(out_dir, "figure4.png"),
+                     pictures.encode_png(pictures.figure4(blocks)))
 
 
 def print_report(result, out_dir):

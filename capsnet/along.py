@@ -36,9 +36,10 @@ from capsnet import study
 from capsnet.running import files
 from capsnet.running import runs
 from capsnet.running import schedule
+from capsnet.using import report as study_report
 from capsnet.using import stats
 
-VARIANTS = study.GRIDS["short"]   # r1_recon, r3_recon, r3_recon_nostop: the same flags
+VARIANTS = study.GRIDS["short"].variants   # r1_recon, r3_recon, r3_recon_nostop: the same flags
 EPOCHS = 10
 KEPT = (1, 2, 5, 10)              # the registered epochs
 PAIRS = (("r3_recon", "r3_recon_nostop", "the stop: nostop - stop"),
@@ -124,7 +125,7 @@ def run_block(seed, settings, publish, extra=()):
   """Trains (or resumes) and scores one seed's three runs, publishing each."""
   for variant, spec in VARIANTS.items():
     folder = os.path.join(FLAGS.out, run_name(variant, seed))
-    if not study.is_complete(folder, settings["epochs"]):
+    if not study_report.is_complete(folder, settings["epochs"]):
       study.run_one(spec, seed, folder, settings,
                     [f"--keep_epochs={','.join(str(e) for e in settings['kept'])}",
                      *extra])
@@ -274,7 +275,7 @@ def blocks_done(found, kept):
 def plot(table, kept, path):
   """along.png: each pair's paired difference against epoch with its 95%
   interval band, one panel per measure."""
-  plt, _ = study._figure()  # pylint: disable=protected-access
+  plt, _ = study_report.figure()
   fig, axes = plt.subplots(1, len(MEASURES), figsize=(4.2 * len(MEASURES), 3.8))
   for ax, (key, what, _) in zip(axes, MEASURES):
     for a, b, name in PAIRS:
@@ -291,7 +292,7 @@ def plot(table, kept, path):
     ax.set_xlabel("epoch")
     ax.set_title(f"B - A: {what}", fontsize=9)
   axes[0].legend(fontsize=7)
-  study._save(plt, fig, path)  # pylint: disable=protected-access
+  study_report.save(plt, fig, path)
 
 
 def report(found, kept, folder):

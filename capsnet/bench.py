@@ -35,7 +35,6 @@ import re
 import resource
 import statistics
 import time
-from unittest import mock
 
 from absl import app
 from absl import flags
@@ -46,7 +45,7 @@ from capsnet.running import host
 from capsnet.running import startup
 
 CONVS = ("planned", "custom_grad", "conv2d", "dft")
-MODES = ("train", "infer", "input", "layers")
+MODES = ("train", "infer", "input", "layers", "routing")
 
 
 def define_flags():
@@ -59,7 +58,9 @@ def define_flags():
   flags.DEFINE_list("modes", ["train", "infer", "input", "layers"],
                     "train, infer (model steps), input (the training input "
                     "pipeline alone: shuffle order, shift augmentation, batching) "
-                    "and/or layers (PrimaryCaps' convolution by each method)")
+                    "and/or layers (PrimaryCaps' convolution by each method); "
+                    "routing (routing alone, in float32 as under both precisions: "
+                    "the paper's sums against the model's matmuls) when asked")
   flags.DEFINE_list("convs", list(CONVS), "the convolutions of `ours`: planned (the "
                     "host's measured plan) and/or fixed conv_impl choices "
                     "custom_grad, conv2d, dft (the baseline uses conv2d)")
@@ -112,9 +113,9 @@ def tiled_digit_caps(u, out_caps, out_dim, num_iters, stop_gradient, official=Fa
   stopped `u_hat` when `stop_gradient`.
 
   The signature, results and variable of `layers.digit_caps` (W [in_caps,
-  out_caps, in_dim, out_dim]), so that `_build` can put it in the place of
-  ours while `network.forward` builds the graph, and the rest of the model
-  (losses, decoder) is the same. The paper's layers only (`official` False).
+  out_caps, in_dim, out_dim]), so that `_build` puts it in the place of ours
+  and the rest of the model (losses, decoder) is the same. The paper's
+  layers only (`official` False).
   """
   import tensorflow as tf
   from capsnet.model import routing
@@ -146,22 +147,38 @@ def tiled_digit_caps(u, out_caps, out_dim, num_iters, stop_gradient, official=Fa
 
 
 def _build(variant, cfg, images, labels, train):
-  """The step op: a train op, or the inference predictions. The baseline is
-  the same model (losses, decoder, config) with `tiled_digit_caps` and
-  TensorFlow's own convolution gradients."""
+  """The step op: a train op, or the inference predictions."""
+  import tensorflow as tf
+  predictions, loss = model(variant, cfg, images, labels, train)
+  if not train:
+    return predictions
+  return tf.compat.v1.train.AdamOptimizer(1e-3).minimize(loss)
+
+
+def model(variant, cfg, images, labels, train):
+  """(predictions, loss) of `variant`'s model. The baseline is ours (its
+  layers below DigitCaps, losses and decoder) with `tiled_digit_caps` in
+  ours' place and TensorFlow's own convolutions."""
   import tensorflow as tf
   from capsnet.model import layers
   from capsnet.model import network
+  from capsnet.model import routing
   if variant == "ours":
     out = network.forward(images, labels, cfg, training=train)
-  else:   # the model's own forward, with the baseline layer in ours' place
-    baseline = dataclasses.replace(cfg, conv_impl="conv2d")
-    with mock.patch.object(layers, "digit_caps", tiled_digit_caps):
-      out = network.forward(images, labels, baseline, training=train)
-  if not train:
-    return out.predictions
-  opt = tf.compat.v1.train.AdamOptimizer(1e-3)
-  return opt.minimize(out.loss)
+    predictions, loss = out.predictions, out.loss
+  else:
+    precision = network.precision_policy(cfg)
+    images = tf.cast(images, precision.variables)
+    with tf.compat.v1.variable_scope("capsnet"):
+      x = layers.conv1(images, cfg.conv1_channels, cfg.conv1_kernel, precision, "conv2d")
+      u = layers.primary_caps(x, cfg.primary_types, cfg.primary_dim, cfg.primary_kernel,
+                              cfg.primary_stride, precision, "conv2d")
+      v, _, _ = tiled_digit_caps(u, cfg.num_classes, cfg.digit_dim, cfg.iter_routing,
+                                 cfg.stop_gradient)
+      predictions, _, margin, recon_loss, _ = network.HEADS["one_digit"].build(
+          v, routing.safe_norm(v), tf.cast(labels, tf.int32), images, cfg, train)
+      loss = tf.reduce_mean(margin + recon_loss)
+  return predictions, loss
 
 
 def _step_graph(variant, precision, mode, settings, conv="custom_grad"):
@@ -375,6 +392,44 @@ def _measure_layers(precision, settings, queue):
              "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024})
 
 
+def _measure_routing(settings, queue, repeats=7):
+  """Child process: routing alone (--iter_routing iterations, the stop on,
+  forward and the gradient to u_hat) at the paper's shapes, in the dtype it
+  runs in under both precisions (the variables', float32), by
+  `routing.procedure_1` (the paper's sums) and by `routing.dynamic_routing`
+  (the matmuls the model uses), run in turn; ms, the median of `repeats`."""
+  tf = _child_tensorflow()
+  import numpy as np
+  from capsnet.model import network
+  from capsnet.model import routing
+  cfg = network.ModelConfig()
+  shape = [settings["batch_size"], cfg.in_caps, cfg.num_classes, cfg.digit_dim]
+  forms = {"procedure_1": routing.procedure_1, "matmuls": routing.dynamic_routing}
+  with tf.Graph().as_default():
+    u_hat = tf.Variable(np.random.RandomState(0).normal(0, 0.05, shape).astype(
+        cfg.dtype), name="u_hat")   # a variable: nothing is folded away
+    ops = {}
+    for name, form in forms.items():
+      with tf.compat.v1.variable_scope(name):
+        v, _ = form(u_hat, settings["iter_routing"])
+        grad = tf.gradients(tf.reduce_sum(v * v), u_hat)[0]
+        # A scalar of both fetched (a group of them is pruned away after its
+        # first run): one pass over the gradient more, the same for each form.
+        ops[name] = tf.reduce_sum(v) + tf.reduce_sum(grad)
+    times = {name: [] for name in forms}
+    with tf.compat.v1.Session() as sess:
+      sess.run(tf.compat.v1.global_variables_initializer())
+      for i in range(2 + repeats):   # two untimed runs of each first
+        for name, op in ops.items():
+          t = time.perf_counter()
+          sess.run(op)
+          if i >= 2:
+            times[name].append(time.perf_counter() - t)
+  queue.put({"mode": "routing", "precision": cfg.dtype, "shape": shape,
+             "ms": {n: 1e3 * statistics.median(t) for n, t in times.items()},
+             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024})
+
+
 def _matmul_peak(dtype_name, n, queue, reps=10):
   """Child process: best GFLOP/s of four independent n x n matmuls.
 
@@ -457,6 +512,15 @@ def _one_round(settings, precisions, variants, modes, convs=("custom_grad",)):
       print(f"layers {precision:4s} {r['layer']} forward + gradients: " + ", ".join(
           f"{m} {t:.1f} ms" for m, t in ms.items())
           + f"; conv2d/dft {ms['conv2d'] / ms['dft']:.2f}x", flush=True)
+  if "routing" in modes:   # in float32 under either precision: measured once
+    _idle("routing", busy)
+    r = _in_child(_measure_routing, settings)
+    results.append(r)
+    ms = r["ms"]
+    ratios["routing_procedure_1_over_matmuls"] = ms["procedure_1"] / ms["matmuls"]
+    print(f"routing {r['precision']} r = {settings['iter_routing']}, u_hat {r['shape']}, "
+          "forward + gradient: " + ", ".join(f"{m} {t:.1f} ms" for m, t in ms.items())
+          + f"; procedure_1/matmuls {ms['procedure_1'] / ms['matmuls']:.2f}x", flush=True)
   for mode in (m for m in modes if m in ("train", "infer")):
     for precision in precisions:
       for variant, conv in [(v, c) for v in variants for c in
@@ -549,8 +613,8 @@ def run(settings, precisions, variants, modes, rounds=1, convs=("custom_grad",))
   for r in summary["results"]:
     if r["mode"] == "input":
       print(f"input pipeline {r['images_per_sec']:.0f} images/s")
-    elif r["mode"] == "layers":
-      print(f"layers {r['precision']:4s} {r['layer']}: " + ", ".join(
+    elif r["mode"] in ("layers", "routing"):
+      print(f"{r['mode']} {r['precision']:4s} {r.get('layer', '')}: " + ", ".join(
           f"{m} {t:.1f} ms" for m, t in r["ms"].items()))
     else:
       plan = f"  plan {r['plan']}" if r["conv"] == "planned" else ""
@@ -596,7 +660,7 @@ def main(argv):
       raise app.UsageError(f"--precision: {p!r} is not fp32 or bf16")
   for m in FLAGS.modes:
     if m not in MODES:
-      raise app.UsageError(f"--modes: {m!r} is not train, infer, input or layers")
+      raise app.UsageError(f"--modes: {m!r} is not one of {', '.join(MODES)}")
   for v in FLAGS.variants:
     if v not in ("ours", "tiled"):
       raise app.UsageError(f"--variants: {v!r} is not ours or tiled")

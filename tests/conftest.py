@@ -38,8 +38,6 @@ import tensorflow as tf  # noqa: E402
 
 from capsnet.model import network  # noqa: E402
 
-import forkserver  # noqa: E402  (tests/forkserver.py)
-
 tf.compat.v1.disable_eager_execution()
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -89,20 +87,16 @@ os.environ.setdefault("CAPSNET_CACHE_DIR", os.path.join(
 
 
 def cli(script, *args, timeout=300, tf_log_level="3", **kwargs):
-  """Runs `python <script> <args>` from the repository root; returns the
-  CompletedProcess (text stdout and stderr). The process is forked by
-  tests/forkserver.py: a real process running the program as `__main__`,
-  without spending 2 s of CPU importing TensorFlow first. tf_log_level=None
-  (the program's own default: TF_CPP_MIN_LOG_LEVEL unset) or another level
-  starts a new interpreter instead, since TensorFlow reads the level once a
-  process."""
+  """Runs `python <script> <args>` from the repository root in a new process
+  (plain `subprocess`); returns the CompletedProcess (text stdout and
+  stderr). tf_log_level=None runs it with TF_CPP_MIN_LOG_LEVEL unset (the
+  program's own default)."""
   env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL=tf_log_level or "", PYTHONPATH=ROOT)
   if tf_log_level is None:
     del env["TF_CPP_MIN_LOG_LEVEL"]
-  run = forkserver.run if tf_log_level == "3" else subprocess.run
-  return run([sys.executable, os.path.join(ROOT, script), *args],
-             capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT,
-             **kwargs)
+  return subprocess.run([sys.executable, os.path.join(ROOT, script), *args],
+                        capture_output=True, text=True, timeout=timeout, env=env,
+                        cwd=ROOT, **kwargs)
 
 
 def train_here(*args):
@@ -143,7 +137,7 @@ def _run_main(script, args, main):
 def start(script, *args, **popen_kwargs):
   """Starts `python <script> <args>` as `cli` runs it, without waiting."""
   env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=ROOT)
-  return forkserver.Popen([sys.executable, os.path.join(ROOT, script), *args],
+  return subprocess.Popen([sys.executable, os.path.join(ROOT, script), *args],
                           env=env, cwd=ROOT, **popen_kwargs)
 
 

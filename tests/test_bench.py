@@ -54,6 +54,43 @@ def test_tiled_baseline_computes_the_same_capsules(tiny_cfg, iters, stop):
     np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
 
 
+def test_the_baseline_model_is_ours_with_the_tiled_digit_caps(tiny_cfg):
+  """bench.model: the baseline has our model's variables, and with the same
+  weights the same training loss and predictions (float64)."""
+  cfg = dataclasses.replace(tiny_cfg, conv_impl="conv2d")
+  rng = np.random.RandomState(1)
+  images = rng.rand(4, cfg.image_size, cfg.image_size, 1)
+  labels = np.array([0, 1, 2, 1])
+  weights, out = None, {}
+  for variant in ("ours", "tiled"):
+    with tf.Graph().as_default(), tf.compat.v1.Session() as sess:
+      predictions, loss = bench.model(variant, cfg, tf.constant(images),
+                                      tf.constant(labels), False)
+      variables = {v.op.name: v for v in tf.compat.v1.trainable_variables()}
+      sess.run(tf.compat.v1.global_variables_initializer())
+      if weights is None:
+        weights = sess.run(variables)
+      assert {k: v.shape.as_list() for k, v in variables.items()} == {
+          k: list(w.shape) for k, w in weights.items()}
+      for name, var in variables.items():
+        var.load(weights[name], sess)
+      out[variant] = sess.run([predictions, loss])
+  np.testing.assert_array_equal(out["ours"][0], out["tiled"][0])
+  np.testing.assert_allclose(out["ours"][1], out["tiled"][1], rtol=1e-10)
+
+
+def test_routing_mode_times_both_forms_in_float32():
+  """--modes=routing: the paper's sums and the model's matmuls, each a
+  positive time, at the paper's capsule counts, in float32 (routing's dtype
+  under both precisions)."""
+  import queue
+  out = queue.Queue()
+  bench._measure_routing({"batch_size": 2, "iter_routing": 3}, out, repeats=2)
+  r = out.get()
+  assert (r["mode"], r["precision"], r["shape"]) == ("routing", "float32", [2, 1152, 10, 16])
+  assert set(r["ms"]) == {"procedure_1", "matmuls"} and min(r["ms"].values()) > 0
+
+
 def _bench(*args, quiet=True, env=None):
   """quiet=False: TF_CPP_MIN_LOG_LEVEL unset, as a user's shell has it; env:
   more variables."""

@@ -1,5 +1,5 @@
 """Which checkpoints a run keeps: the best-checkpoint rule with its ties
-(train.py `validate`, `run_state.is_better`) and the weights at the end of
+(`recording.validate`, `run_state.is_better`) and the weights at the end of
 the --keep_epochs epochs (epochs/), resumed or not."""
 import collections
 import json
@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import config
+from capsnet.running import recording
 from capsnet.running import run_state
 from capsnet.running import runs
 from conftest import QUICK, needs_mnist, train_here, weights_sha256
@@ -43,8 +44,7 @@ class FakeFolder:
 @pytest.mark.parametrize("averaging", [False, True])
 def test_validate_keeps_the_best_by_the_tie_rule(monkeypatch, averaging):
   """A sequence of validations (accuracy, loss) and, for each, whether
-  train.py's `validate` saves best/ after it."""
-  import train
+  `recording.validate` saves best/ after it."""
   sequence = [((0.90, 0.50), True), ((0.90, 0.60), False), ((0.90, 0.40), True),
               ((0.90, 0.40), True), ((0.80, 0.10), False), ((0.95, 0.90), True)]
   figures = iter([])
@@ -52,9 +52,9 @@ def test_validate_keeps_the_best_by_the_tie_rule(monkeypatch, averaging):
     acc, loss = next(figures)
     return {"accuracy": acc, "loss": loss, "error_percent": 100 * (1 - acc)}
   saved = []
-  monkeypatch.setattr(train.evaluation, "run", fake_eval)
-  monkeypatch.setattr(train, "save", lambda run, which, pos: saved.append(which))
-  monkeypatch.setattr(train, "add_scalars", lambda *a: None)
+  monkeypatch.setattr(recording.evaluation, "run", fake_eval)
+  monkeypatch.setattr(recording, "save", lambda run, which, pos: saved.append(which))
+  monkeypatch.setattr(recording, "add_scalars", lambda *a: None)
   run = FakeRun(None, FakeGraph("raw", "averaged" if averaging else None),
                 {"validation": (np.zeros(3), np.zeros(3))}, None, FakeFolder())
   pos = run_state.Position()
@@ -62,26 +62,25 @@ def test_validate_keeps_the_best_by_the_tie_rule(monkeypatch, averaging):
     # With averaging, the averaged weights trail the raw by 0.01 in accuracy.
     figures = iter([(acc, loss)] + ([(acc - 0.01, 0.0)] if averaging else []))
     saved.clear()
-    train.validate(run, pos, {"epoch": 1, "step": 1}, kind="epoch")
+    recording.validate(run, pos, {"epoch": 1, "step": 1}, kind="epoch")
     assert saved == (["best"] if expected else []), (acc, loss)
   assert (pos.best_val, pos.best_val_loss) == (np.float32(0.95), np.float32(0.9))
   assert pos.best_averaged is False
 
 
 def test_averaged_weights_win_a_tie_only_by_a_lower_loss(monkeypatch):
-  import train
   figures = iter([(0.9, 0.5), (0.9, 0.5),      # tied: the raw weights
                   (0.92, 0.5), (0.92, 0.4)])   # same accuracy, lower loss: averaged
-  monkeypatch.setattr(train.evaluation, "run", lambda s, g, i, l: dict(
+  monkeypatch.setattr(recording.evaluation, "run", lambda s, g, i, l: dict(
       zip(("accuracy", "loss"), next(figures)), error_percent=0.0))
-  monkeypatch.setattr(train, "save", lambda run, which, pos: None)
-  monkeypatch.setattr(train, "add_scalars", lambda *a: None)
+  monkeypatch.setattr(recording, "save", lambda run, which, pos: None)
+  monkeypatch.setattr(recording, "add_scalars", lambda *a: None)
   run = FakeRun(None, FakeGraph("raw", "averaged"),
                 {"validation": (np.zeros(3), np.zeros(3))}, None, FakeFolder())
   pos = run_state.Position()
-  train.validate(run, pos, {"epoch": 1, "step": 1}, kind="epoch")
+  recording.validate(run, pos, {"epoch": 1, "step": 1}, kind="epoch")
   assert pos.best_averaged is False
-  train.validate(run, pos, {"epoch": 2, "step": 2}, kind="epoch")
+  recording.validate(run, pos, {"epoch": 2, "step": 2}, kind="epoch")
   assert pos.best_averaged is True and pos.best_val_loss == np.float32(0.4)
 
 

@@ -15,7 +15,6 @@ import tensorflow as tf
 
 from capsnet import cluster
 from capsnet.running import cluster_spec
-import forkserver
 from conftest import (ROOT, SMALL, cli, eval_here, last_line, latest_step, needs_mnist,
                       train_here, wait_until)
 
@@ -26,7 +25,7 @@ ARGS = [*SMALL[:5], "--val_size=500", "--eval_batch_size=300", "--progress=false
 
 def launch(logdir, *args, workers=2, timeout=240):
   env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=ROOT)
-  return forkserver.run([sys.executable, "-m", "capsnet.cluster", "--ps=1",
+  return subprocess.run([sys.executable, "-m", "capsnet.cluster", "--ps=1",
                          f"--workers={workers}", "--", *ARGS, f"--logdir={logdir}",
                          *args], capture_output=True, text=True, env=env, cwd=ROOT,
                         timeout=timeout)
@@ -119,21 +118,24 @@ CLUSTER = ["--ps_hosts=localhost:1", "--worker_hosts=localhost:2", "--job_name=w
 
 def test_the_role_is_chosen_once_from_the_cluster():
   """roles.choose: one process writes and plans; the chief writes, not
-  plans; another worker neither, and relays stop signals; a ps serves."""
+  plans; another worker neither, and relays stop signals (a ps task has no
+  role: train.py's main serves, `roles.serve`)."""
   from capsnet.running import roles
   spec = {"ps": ["localhost:1"], "worker": ["localhost:2", "localhost:3"]}
   one = roles.choose(None)
   chief = roles.choose(cluster_spec.ClusterInfo(spec, "worker", 0))
   worker = roles.choose(cluster_spec.ClusterInfo(spec, "worker", 1))
-  ps = roles.choose(cluster_spec.ClusterInfo(spec, "ps", 0))
-  assert [type(r).__name__ for r in (one, chief, worker, ps)] == [
-      "OneProcess", "Chief", "Worker", "Ps"]
-  assert [r.writes for r in (one, chief, worker, ps)] == [True, True, False, False]
-  assert [r.serves for r in (one, chief, worker, ps)] == [False, False, False, True]
+  assert [type(r).__name__ for r in (one, chief, worker)] == ["OneProcess", "Chief", "Worker"]
+  assert [r.writes for r in (one, chief, worker)] == [True, True, False]
   assert (one.plans, chief.plans, worker.plans) == (True, False, False)
   assert [(r.index, r.workers) for r in (one, chief, worker)] == [(0, 1), (0, 2), (1, 2)]
-  assert not one.stop_request().relay and worker.stop_request().relay
-  assert one.task_errors == () and tf.errors.UnavailableError in worker.task_errors
+  assert [r.relays_stops for r in (one, chief, worker)] == [False, False, True]
+  assert one.info is None and worker.info.index == 1
+  assert tf.errors.UnavailableError in worker.gone
+  # The interface the loop calls: three hooks, the same names on every role.
+  hooks = {n for n in vars(roles.OneProcess) if not n.startswith("_")
+           and callable(getattr(roles.OneProcess, n))}
+  assert hooks == {"session", "run_step", "before_save"}
 
 
 @pytest.mark.parametrize("arg,message", [
@@ -190,7 +192,7 @@ def _cluster_stopped_by(sig, target, logdir, *extra):
                                  "--save_every=3", "--summary_every=1000",
                                  f"--logdir={logdir}", *extra], cluster.free_ports(3))
   env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=ROOT)
-  procs = {k: forkserver.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+  procs = {k: subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, env=env, cwd=ROOT) for k, c in cmds.items()}
   try:
     chief = procs[("worker", 0)]
@@ -231,7 +233,7 @@ def test_sigterm_to_any_task_saves_and_every_task_ends(target, tmp_path):
 def test_sigterm_to_the_launcher_saves_and_every_task_ends(tmp_path):
   logdir = str(tmp_path / "run")
   env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=ROOT)
-  proc = forkserver.Popen([sys.executable, "-m", "capsnet.cluster", "--ps=1", "--workers=2",
+  proc = subprocess.Popen([sys.executable, "-m", "capsnet.cluster", "--ps=1", "--workers=2",
                            "--", *ARGS, "--batch_size=16", "--epochs=100", "--save_every=3",
                            f"--logdir={logdir}"], stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)

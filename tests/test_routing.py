@@ -1,4 +1,5 @@
-"""squash and dynamic_routing against NumPy and hand derivations."""
+"""squash and routing against NumPy and hand derivations; the model's
+matmul form of routing against the paper's sums (`procedure_1`)."""
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -93,16 +94,42 @@ def test_three_iterations_match_numpy_procedure_1():
     v = np_squash(np.einsum("bio,biod->bod", c, u_hat))
     if r < 2:
       b = b + np.einsum("biod,bod->bio", u_hat, v)
-  with tf.Graph().as_default():
-    v_tf, cs_tf = run(routing.dynamic_routing(tf.constant(u_hat), 3))
-  np.testing.assert_allclose(v_tf, v, rtol=1e-9)
-  for c_tf, c in zip(cs_tf, cs):
-    np.testing.assert_allclose(c_tf, c, rtol=1e-9)
+  for form in (routing.dynamic_routing, routing.procedure_1):
+    with tf.Graph().as_default():
+      v_tf, cs_tf = run(form(tf.constant(u_hat), 3))
+    np.testing.assert_allclose(v_tf, v, rtol=1e-9)
+    for c_tf, c in zip(cs_tf, cs):
+      np.testing.assert_allclose(c_tf, c, rtol=1e-9)
+
+
+@pytest.mark.parametrize("iters,stop,bias", [(1, True, False), (3, True, False),
+                                             (3, False, False), (2, True, True)])
+def test_the_matmul_form_is_procedure_1_in_float64(iters, stop, bias):
+  """dynamic_routing (the model's two batched matmuls) and procedure_1 (the
+  paper's sums): the same outputs, couplings and gradients (to u_hat and
+  to the bias), with and without the stop, to float64 rounding."""
+  rng = np.random.RandomState(iters)
+  with tf.Graph().as_default() as graph:
+    u_hat = tf.constant(rng.randn(3, 7, 4, 5) * 0.5)     # [b, i, o, d]
+    weights = tf.constant(rng.randn(3, 4, 5))
+    b = tf.constant(rng.randn(4, 5) * 0.1) if bias else None
+    got = {}
+    for form in (routing.dynamic_routing, routing.procedure_1):
+      with tf.compat.v1.variable_scope(form.__name__):
+        v, couplings = form(u_hat, iters, stop, b)
+        loss = tf.reduce_sum(v * weights)
+        grads = tf.gradients(loss, [u_hat] + ([b] if bias else []))
+        got[form.__name__] = (v, couplings, grads)
+    with tf.compat.v1.Session(graph=graph) as sess:
+      fast, plain = sess.run([got["dynamic_routing"], got["procedure_1"]])
+  for a, b_ in zip(tf.nest.flatten(fast), tf.nest.flatten(plain)):
+    np.testing.assert_allclose(a, b_, rtol=1e-12, atol=1e-14)
 
 
 def test_bad_inputs_raise():
   with tf.Graph().as_default():
-    with pytest.raises(ValueError, match=r"u_hat must be .*got shape \(2, 3, 4\)"):
-      routing.dynamic_routing(tf.zeros([2, 3, 4]), 3)
-    with pytest.raises(ValueError, match="num_iters must be >= 1, got 0"):
-      routing.dynamic_routing(tf.zeros([2, 3, 4, 5]), 0)
+    for form in (routing.dynamic_routing, routing.procedure_1):
+      with pytest.raises(ValueError, match=r"u_hat must be .*got shape \(2, 3, 4\)"):
+        form(tf.zeros([2, 3, 4]), 3)
+      with pytest.raises(ValueError, match="num_iters must be >= 1, got 0"):
+        form(tf.zeros([2, 3, 4, 5]), 0)

@@ -1,4 +1,5 @@
-"""The routing studies: aggregation, table, skip/resume, publishing, end to end."""
+"""The routing studies (capsnet.study) and their reports (capsnet.using.report):
+aggregation, table, skip/resume, publishing, end to end."""
 import json
 import os
 import subprocess
@@ -9,8 +10,8 @@ import pytest
 
 from capsnet import study
 from capsnet.running import runs
+from capsnet.using import report
 from capsnet.using import stats
-import forkserver
 from conftest import ROOT, SMALL, needs_mnist
 
 
@@ -44,13 +45,13 @@ def fake_run(folder, test_error, val_errors, diag, epochs=1, speed=100.0,
 
 def test_summary_and_table(tmp_path):
   out = str(tmp_path)
-  fake_run(study.run_dir(out, "r2_stop", 0), 1.0, [3.0, 1.5], [0.01, 0.2], speed=90)
-  fake_run(study.run_dir(out, "r2_stop", 1), 1.5, [2.0, 1.7], [0.03, 0.4], speed=110)
-  fake_run(study.run_dir(out, "r1", 0), 2.0, [4.0, 2.5], [0.0, 0.0], complete=False)
-  assert not study.is_complete(study.run_dir(out, "r1", 0), 1)
-  assert not study.is_complete(study.run_dir(out, "r2_stop", 0), 2)
-  assert study.is_complete(study.run_dir(out, "r2_stop", 0), 1)
-  rows = study.summarize(out, "stop_gradient", ["r1", "r2_stop"], range(2), 1)
+  fake_run(report.run_dir(out, "r2_stop", 0), 1.0, [3.0, 1.5], [0.01, 0.2], speed=90)
+  fake_run(report.run_dir(out, "r2_stop", 1), 1.5, [2.0, 1.7], [0.03, 0.4], speed=110)
+  fake_run(report.run_dir(out, "r1", 0), 2.0, [4.0, 2.5], [0.0, 0.0], complete=False)
+  assert not report.is_complete(report.run_dir(out, "r1", 0), 1)
+  assert not report.is_complete(report.run_dir(out, "r2_stop", 0), 2)
+  assert report.is_complete(report.run_dir(out, "r2_stop", 0), 1)
+  rows = report.summarize(out, study.GRIDS["stop_gradient"], ["r1", "r2_stop"], range(2), 1)
   assert [r["variant"] for r in rows] == ["r1", "r2_stop"]
   r1, r = rows
   assert r1["seeds"] == 0 and r1["test_error_mean"] is None and len(r1["runs"]) == 1
@@ -62,38 +63,39 @@ def test_summary_and_table(tmp_path):
   np.testing.assert_allclose(r["diag"]["digit_caps/weights"], (0.02, 0.3))
   assert r["runs"][1]["test_errors_count"] == 150
   assert r["runs"][0]["diag_curve"] == [(0.0, 0.01), (0.5, 0.2)]
-  table = study.markdown(rows)
+  table = report.markdown(rows, study.GRIDS["stop_gradient"])
   assert ("| r2_stop | 2 | yes | True | 2000 steps | 2 of 2 | 1.250 ± 0.354 | 1.00, 1.50 "
           "| 1.600 | 100 | 0.02 → 0.3 | 0.01 → 0.15 |") in table
   assert ("| r1 | 1 | yes | n/a | 2000 steps | 0 of 1 | – | in progress (1/1 epochs) "
           "| 2.500 | 100 | 0 → 0 | 0 → 0 |") in table
   assert "| r2_stop_seed1 | bf16 | 1 | 20 | 1.50 | 150 | 1.70 | 110 | 2 min |" in table
   assert "| r1_seed0 | bf16 | 1 (in progress) | 20 | – | – | 2.50 | 100 | 2 min |" in table
-  for name, draw in (("plot.png", study.plot), ("diag.png", study.plot_diagnostic)):
+  for name, draw in (("plot.png", report.plot), ("diag.png", report.plot_diagnostic)):
     draw(rows, str(tmp_path / name))
     assert open(tmp_path / name, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
 
 
 def test_multimnist_table_and_curve_by_pairs_seen(tmp_path):
   out = str(tmp_path)
-  fake_run(study.run_dir(out, "r3_recon", 0), 6.5, [30.0, 12.0, 8.0], [0.01, 0.2],
+  fake_run(report.run_dir(out, "r3_recon", 0), 6.5, [30.0, 12.0, 8.0], [0.01, 0.2],
            epochs=2, at_least_one=0.991)
-  (r,) = study.summarize(out, "multimnist", ["r3_recon"], range(1), 2)
+  (r,) = report.summarize(out, study.GRIDS["multimnist"], ["r3_recon"], range(1), 2)
   assert r["dataset"] == "multimnist"
   (run,) = r["runs"]
   assert run["images_seen"] == 30 * 128 and run["test_at_least_one"] == 0.991
   assert run["images_curve"] == [(1280, 30.0), (2560, 12.0), (3840, 8.0)]
-  table = study.markdown([r])
+  table = report.markdown([r], study.GRIDS["multimnist"])
   assert "| training pairs seen | test: at least one right % |" in table
   assert "| r3_recon_seed0 | bf16 | 2 | 30 | 6.50 | 650 | 8.00 | 100 | 2 min | 3,840 | 99.10 |" in table
-  study.report([r], str(tmp_path / "report"), study.TITLES["multimnist"])
+  report.report([r], str(tmp_path / "report"), study.GRIDS["multimnist"])
   assert open(tmp_path / "report" / "val_error.png", "rb").read(8) == b"\x89PNG\r\n\x1a\n"
   # an MNIST table keeps its nine columns
-  assert "pairs seen" not in study.markdown(study.summarize(out, "table1", ["r3_recon"], range(1), 2))
+  assert "pairs seen" not in report.markdown(report.summarize(
+      out, study.GRIDS["table1"], ["r3_recon"], range(1), 2), study.GRIDS["table1"])
 
 
 def test_table1_grid_commands_and_schedules(tmp_path):
-  grid = study.GRIDS["table1"]
+  grid = study.GRIDS["table1"].variants
   assert sorted(grid) == ["r1_norecon", "r1_recon", "r3_norecon", "r3_recon",
                           "r3_recon_balance", "r3_recon_nostop", "r3_recon_official"]
   # Issue 24's runs (f) and (g): the official loss balance, then its layers.
@@ -104,9 +106,9 @@ def test_table1_grid_commands_and_schedules(tmp_path):
                       "--ema_decay=0.999"]
   settings = dict(epochs=50, precision="bf16", decay_steps=143, diag_every=100,
                   val_every=0)
-  folder = study.run_dir("/runs", "r3_recon_nostop", 1, 143)
+  folder = report.run_dir("/runs", "r3_recon_nostop", 1, 143)
   assert folder == "/runs/r3_recon_nostop_decay143_seed1"
-  assert study.run_dir("/runs", "r1_norecon", 0) == "/runs/r1_norecon_seed0"
+  assert report.run_dir("/runs", "r1_norecon", 0) == "/runs/r1_norecon_seed0"
   cmd = study.train_command(grid["r3_recon_nostop"], 1, folder, settings, ["--x=1"])
   assert cmd[1].endswith("train.py")
   assert cmd[2:] == ["--iter_routing=3", "--stop_gradient=False", "--use_decoder=True",
@@ -115,22 +117,22 @@ def test_table1_grid_commands_and_schedules(tmp_path):
                      "--progress=false", "--x=1"]
   assert "--use_decoder=False" in study.train_command(grid["r1_norecon"], 0, folder,
                                                       settings, [])
-  (multimnist,) = study.GRIDS["multimnist"].values()
+  (multimnist,) = study.GRIDS["multimnist"].variants.values()
   assert study.train_command(multimnist, 0, folder, settings, [])[2:6] == [
       "--iter_routing=3", "--stop_gradient=True", "--use_decoder=True",
       "--dataset=multimnist"]
   # Two schedules of one variant: a row each, and only the small files published.
   out = str(tmp_path / "runs")
-  fake_run(study.run_dir(out, "r3_recon", 0), 0.4, [1.0, 0.5], [0.1, 0.2], epochs=2)
-  fake_run(study.run_dir(out, "r3_recon", 0, 143), 0.3, [0.9, 0.4], [0.1, 0.3], epochs=2)
-  open(os.path.join(study.run_dir(out, "r3_recon", 0), "model.ckpt-1.index"), "w").close()
-  rows = study.summarize(out, "table1", ["r3_recon"], [0], 2, (2000, 143))
+  fake_run(report.run_dir(out, "r3_recon", 0), 0.4, [1.0, 0.5], [0.1, 0.2], epochs=2)
+  fake_run(report.run_dir(out, "r3_recon", 0, 143), 0.3, [0.9, 0.4], [0.1, 0.3], epochs=2)
+  open(os.path.join(report.run_dir(out, "r3_recon", 0), "model.ckpt-1.index"), "w").close()
+  rows = report.summarize(out, study.GRIDS["table1"], ["r3_recon"], [0], 2, (2000, 143))
   assert [(r["variant"], r["decay_steps"], r["test_error_mean"]) for r in rows] == [
       ("r3_recon", 2000, 0.4), ("r3_recon", 143, 0.3)]
   assert rows[0]["use_decoder"] is True and rows[0]["stop_gradient"] is True
   published = str(tmp_path / "published")
-  study.report(rows, published)
-  study.publish(out, rows, published)
+  report.report(rows, published, study.GRIDS["table1"])
+  report.publish(out, rows, published)
   assert sorted(os.listdir(published)) == [
       "diagnostic.png", "r3_recon_decay143_seed0", "r3_recon_seed0", "results.json",
       "results.md", "val_error.png"]
@@ -146,7 +148,7 @@ def test_study_cli_runs_then_skips(tmp_path):
           "--variants=r2_nostop", f"--out={out}", "--diag_every=5",
           "--val_every=10", "--", *SMALL, "--train_size=640"]
   env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
-  proc = forkserver.run(args, capture_output=True, text=True, cwd=ROOT, env=env,
+  proc = subprocess.run(args, capture_output=True, text=True, cwd=ROOT, env=env,
                         timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
   for name in ("results.md", "results.json", "val_error.png", "diagnostic.png",
@@ -173,7 +175,7 @@ def test_study_cli_runs_then_skips(tmp_path):
   assert routing["own"]["entropy"][1] < np.log(10)   # the second iteration moved c
   assert row["runs"][0]["routing"] == routing
   assert 0 <= routing["fixed"] + routing["broken"] <= routing["changed"] <= 10000
-  proc = forkserver.run(args, capture_output=True, text=True, cwd=ROOT, env=env,
+  proc = subprocess.run(args, capture_output=True, text=True, cwd=ROOT, env=env,
                         timeout=600)
   assert proc.returncode == 0
   assert "r2_nostop_seed0: complete, skipped" in proc.stdout
@@ -232,13 +234,13 @@ def test_seed_aggregation_comparison_and_band_plot(tmp_path):
   vals = lambda last: [2.0] * 5 + [last] * 10   # the last 10 epochs' mean: last
   for seed, (a_test, b_test, a_last, b_last) in enumerate(
       [(0.38, 0.49, 0.40, 0.42), (0.43, 0.45, 0.44, 0.46), (0.40, 0.41, 0.41, 0.40)]):
-    fake_run(study.run_dir(out, "r3_recon", seed), a_test, vals(a_last), [0.1], epochs=15,
+    fake_run(report.run_dir(out, "r3_recon", seed), a_test, vals(a_last), [0.1], epochs=15,
              every_epoch=True)
-    fake_run(study.run_dir(out, "r3_recon_nostop", seed), b_test, vals(b_last), [0.1],
+    fake_run(report.run_dir(out, "r3_recon_nostop", seed), b_test, vals(b_last), [0.1],
              epochs=15, every_epoch=True)
-  fake_run(study.run_dir(out, "r1_recon", 0), 0.37, vals(0.36), [0.0], epochs=15,
+  fake_run(report.run_dir(out, "r1_recon", 0), 0.37, vals(0.36), [0.0], epochs=15,
            complete=False, every_epoch=True)
-  rows = study.summarize(out, "table1", ["r3_recon", "r3_recon_nostop", "r1_recon"],
+  rows = report.summarize(out, study.GRIDS["table1"], ["r3_recon", "r3_recon_nostop", "r1_recon"],
                          range(3), 15)
   stop, nostop, r1 = rows
   np.testing.assert_allclose(stop["last_val_errors"], [0.40, 0.44, 0.41])
@@ -246,8 +248,8 @@ def test_seed_aggregation_comparison_and_band_plot(tmp_path):
                              [0.416667, np.std([0.40, 0.44, 0.41], ddof=1)], atol=1e-6)
   assert r1["last_val_errors"] == [] and r1["runs"][0]["last_val_error"] is None
   pairs = study.parse_pairs(["r3_recon:r3_recon_nostop", "r3_recon:r1_recon"],
-                            study.GRIDS["table1"])
-  comparisons = study.compare(rows, pairs)
+                            study.GRIDS["table1"].variants)
+  comparisons = report.compare(rows, pairs)
   assert [(c["a"], c["b"]) for c in comparisons] == [
       ("r3_recon", "r3_recon_nostop"), ("r3_recon", "r1_recon")]
   test = comparisons[0]["test_error"]
@@ -256,7 +258,7 @@ def test_seed_aggregation_comparison_and_band_plot(tmp_path):
   late = comparisons[0]["last_val_error"]
   np.testing.assert_allclose(late["diffs"], [0.02, 0.02, -0.01], atol=1e-9)
   assert comparisons[1]["test_error"] is None   # r1_recon has no finished seed
-  table = study.markdown(rows, comparisons)
+  table = report.markdown(rows, study.GRIDS["table1"], comparisons)
   assert ("| r3_recon | 2000 | 3 | 0.403 ± 0.025 | 0.38 (seed 0), 0.43 (seed 1), "
           "0.40 (seed 2) | 0.417 ± 0.021 | 0.400 (seed 0), 0.440 (seed 1), "
           "0.410 (seed 2) |") in table
@@ -266,13 +268,13 @@ def test_seed_aggregation_comparison_and_band_plot(tmp_path):
           "is [-0.090, +0.183] |") in table
   assert "| r3_recon | r1_recon | 2000 | test error" in table and "no paired seeds" in table
   with pytest.raises(ValueError, match="--compare=r3_recon:r9: expected A:B"):
-    study.parse_pairs(["r3_recon:r9"], study.GRIDS["table1"])
+    study.parse_pairs(["r3_recon:r9"], study.GRIDS["table1"].variants)
   # The band: mean, lowest and highest seed at each epoch; a seed in progress
   # counts where it has points.
-  xs, means, lows, highs = study.band([[(1, 1.0), (2, 0.5)], [(1, 3.0), (2, 0.7)],
+  xs, means, lows, highs = report.band([[(1, 1.0), (2, 0.5)], [(1, 3.0), (2, 0.7)],
                                        [(1, 2.0)]])
   assert xs == [1, 2] and means == [2.0, 0.6] and lows == [1.0, 0.5] and highs == [3.0, 0.7]
-  study.report(rows, str(tmp_path / "report"), study.TITLES["table1"], comparisons)
+  report.report(rows, str(tmp_path / "report"), study.GRIDS["table1"], comparisons)
   assert open(tmp_path / "report" / "val_error.png", "rb").read(8) == b"\x89PNG\r\n\x1a\n"
   saved = json.load(open(tmp_path / "report" / "results.json"))
   assert sorted(saved) == ["comparisons", "rows"] and len(saved["rows"]) == 3
@@ -299,20 +301,20 @@ def test_routing_summary_counts_changed_predictions(tmp_path):
 
 def test_averaged_weights_figures(tmp_path):
   """A run with weight averaging: the figures are the better weights'."""
-  folder = study.run_dir(str(tmp_path), "r3_recon_balance", 0)
+  folder = report.run_dir(str(tmp_path), "r3_recon_balance", 0)
   fake_run(folder, 0.3, [1.0] * 12, [0.1], epochs=12, every_epoch=True)
   path = os.path.join(folder, "metrics.jsonl")
   rows = [json.loads(l) for l in open(path)]
   for k, r in enumerate(rows):
     r["val_error_percent_averaged"] = 0.9 if k == 5 else 1.1
   open(path, "w").write("".join(json.dumps(r) + "\n" for r in rows))
-  run = study.describe_run(folder, 12)
+  run = report.describe_run(folder, 12)
   assert run["val_weights"] == "averaged" and run["best_val_error"] == 0.9
   np.testing.assert_allclose(run["last_val_error"], (9 * 1.1 + 0.9) / 10)  # averaged too
-  assert study._better_weights(rows[:5]) == "raw"   # 1.0 against 1.1
+  assert report._better_weights(rows[:5]) == "raw"   # 1.0 against 1.1
   for r in rows:
     r["val_error_percent_averaged"] = 1.0 if r is rows[0] else 2.0
-  assert study._better_weights(rows) == "raw"       # a tie: the later epochs
+  assert report._better_weights(rows) == "raw"       # a tie: the later epochs
 
 
 def test_short_protocol_tables_compare_its_three_measures(tmp_path):
@@ -325,7 +327,7 @@ def test_short_protocol_tables_compare_its_three_measures(tmp_path):
                                  (1.30, 0.0236, 3.0)]}
   for variant, per_seed in figures.items():
     for seed, (test, margin, aff) in enumerate(per_seed):
-      folder = study.run_dir(out, variant, seed, 14)
+      folder = report.run_dir(out, variant, seed, 14)
       fake_run(folder, test, [2.0, 1.5], [0.1], epochs=5)
       with open(os.path.join(folder, "test_results.json"), "w") as f:
         json.dump({"error_percent": test, "count": 10000, "margin_loss_mean": margin}, f)
@@ -333,17 +335,17 @@ def test_short_protocol_tables_compare_its_three_measures(tmp_path):
         json.dump({"error_percent": aff, "count": 10000,
                    "sweep": [{"max_rotation_deg": d, "error_percent": aff * (1 + d / 20)}
                              for d in (0, 20, 45)]}, f)
-  rows = study.summarize(out, "short", ["r3_recon", "r3_recon_nostop"], range(3), 5, (14,))
+  rows = report.summarize(out, study.GRIDS["short"], ["r3_recon", "r3_recon_nostop"], range(3), 5, (14,))
   stop, nostop = rows
   np.testing.assert_allclose(stop["measures"]["affine_error"]["values"], [3.0, 3.2, 3.1])
   assert stop["measures"]["test_margin_loss"]["mean"] == pytest.approx(0.0205)
-  pairs = study.parse_pairs(["r3_recon:r3_recon_nostop"], study.GRIDS["short"])
-  comparisons = study.compare(rows, pairs, study.figures_of("short"))
+  pairs = study.parse_pairs(["r3_recon:r3_recon_nostop"], study.GRIDS["short"].variants)
+  comparisons = report.compare(rows, pairs, report.SHORT_FIGURES)
   (c,) = comparisons
   assert c["test_error"]["called"] and c["test_margin_loss"]["called"]
   assert not c["affine_error"]["called"]
   np.testing.assert_allclose(c["affine_error"]["diffs"], [0.1, 0.1, -0.1], atol=1e-9)
-  table = study.markdown(rows, comparisons, study.figures_of("short"))
+  table = report.markdown(rows, study.GRIDS["short"], comparisons)
   assert ("| r3_recon | 3 | 1.05 ± 0.05 | 1.00 (0), 1.10 (1), 1.05 (2) | 0.02050 ± "
           "0.00050 | 0.02000 (0), 0.02100 (1), 0.02050 (2) | 3.10 ± 0.10 | 3.00 (0), "
           "3.20 (1), 3.10 (2) |") in table
@@ -354,8 +356,8 @@ def test_short_protocol_tables_compare_its_three_measures(tmp_path):
   assert f"| within [{lo:+.3f}, {hi:+.3f}] |" in table
   assert "| r3_recon_decay14_seed0 | 3.00 | 6.00 | 9.75 |" in table   # the sweep
   shipped = [(0, 0.7), (20, 1.7), (45, 8.4)]
-  table = study.report(rows, str(tmp_path / "report"), study.TITLES["short"], comparisons,
-                       study.figures_of("short"), shipped)
+  table = report.report(rows, str(tmp_path / "report"), study.GRIDS["short"], comparisons,
+                        shipped)
   assert "The shipped weights (pretrained/r3_recon, 50 epochs), same sweep: 0°: 0.70" in table
   assert {"affine.png", "affine_sweep.png", "val_error.png"} <= set(
       os.listdir(tmp_path / "report"))
@@ -369,7 +371,7 @@ def test_short_report_shows_ties_and_the_selection_free_loss(tmp_path):
   for variant, losses in (("r3_recon", [0.05, 0.04, 0.039]),
                           ("r3_recon_nostop", [0.05, 0.04, 0.038])):
     for seed, shift in ((0, 0.0), (1, 0.001)):
-      folder = study.run_dir(out, variant, seed, 14)
+      folder = report.run_dir(out, variant, seed, 14)
       fake_run(folder, 1.0, [1.2, 1.1, 1.1], [0.1], epochs=1)
       rows = [json.loads(l) for l in open(os.path.join(folder, "metrics.jsonl"))]
       with open(os.path.join(folder, "metrics.jsonl"), "w") as f:
@@ -378,15 +380,15 @@ def test_short_report_shows_ties_and_the_selection_free_loss(tmp_path):
       with open(os.path.join(folder, "test_results.json"), "w") as f:
         json.dump({"error_percent": 1.0, "count": 10000,
                    "checkpoint": os.path.join(folder, "best", "model.ckpt-20")}, f)
-  rows = study.summarize(out, "short", ["r3_recon", "r3_recon_nostop"], range(2), 1, (14,))
+  rows = report.summarize(out, study.GRIDS["short"], ["r3_recon", "r3_recon_nostop"], range(2), 1, (14,))
   run = rows[0]["runs"][1]
   assert run["tied_steps"] == [20, 30] and run["selected_step"] == 20
   assert run["last_val_loss"] == pytest.approx(0.040)
   pairs = [("r3_recon", "r3_recon_nostop")]
-  descriptive = study.compare(rows, pairs, study.SELECTION_FREE)
+  descriptive = report.compare(rows, pairs, report.SELECTION_FREE)
   assert descriptive[0]["last_val_loss"]["diffs"] == pytest.approx([-0.001, -0.001])
-  text = study.markdown(rows, study.compare(rows, pairs, study.SHORT_FIGURES),
-                        study.SHORT_FIGURES, descriptive)
+  text = report.markdown(rows, study.GRIDS["short"],
+                         report.compare(rows, pairs, report.SHORT_FIGURES), descriptive)
   assert "| r3_recon_decay14_seed1 | 20 | 20, 30 | 0.04000 |" in text
   assert "validation loss at the last step (selection-free; descriptive)" in text
 
@@ -418,8 +420,8 @@ def test_publish_of_a_folder_without_runs_refused_before_any_scoring(tmp_path):
 def test_a_damaged_row_is_named_by_file_and_line(tmp_path):
   out = tmp_path / "short"
   for seed in range(2):
-    fake_run(study.run_dir(str(out), "r3_recon", seed, 14), 1.0, [1.2, 1.1], [0.1])
-  metrics = study.run_dir(str(out), "r3_recon", 1, 14) + "/metrics.jsonl"
+    fake_run(report.run_dir(str(out), "r3_recon", seed, 14), 1.0, [1.2, 1.1], [0.1])
+  metrics = report.run_dir(str(out), "r3_recon", 1, 14) + "/metrics.jsonl"
   lines = open(metrics).read().splitlines(keepends=True)
   with open(metrics, "w") as f:
     f.write(lines[0] + lines[1][:10] + "\n")

@@ -140,8 +140,10 @@ def test_routing_picture_draws_the_models_coefficients(small_run, mnist_test_spl
     grids = pictures.routing_grids(cs, preds[k], cfg.primary_size, cfg.primary_types)
     expected = graph_c[-1][k][:, preds[k]].reshape(6, 6, cfg.primary_types).mean(axis=2)
     np.testing.assert_allclose(grids[-1], expected, atol=1e-6)
-    figure = pictures.routing_figure(images[k, ..., 0], grids,
-                                     [pictures.mean_entropy(c) for c in cs])
+    entropy = -(cs.astype(np.float64) * np.log(cs.astype(np.float64))).sum(axis=2).mean(
+        axis=1)   # [r]: the mean over input capsules of the entropy of c_i
+    np.testing.assert_allclose(drawn["routing_entropy"][k], entropy, rtol=1e-12)
+    figure = pictures.routing_figure(images[k, ..., 0], grids, list(entropy))
     assert figure.shape == (28 * 6 + 16, 3 * 28 * 6 + 2 * 8, 3)
 
 

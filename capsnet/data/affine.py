@@ -173,3 +173,19 @@ def test_set(test_images, ranges=AFFNIST, seed=SEED):
                       "this TensorFlow or NumPy resamples or draws differently from "
                       "the one that recorded it")
   return images
+
+
+def parse_sweep(values):
+  """--affine_sweep's largest rotations (strings) as degrees (floats).
+
+  Raises: ValueError naming the flag for a value that is not a number in
+  [0, 180].
+  """
+  try:
+    degrees = [float(d) for d in values]
+  except ValueError:
+    degrees = [-1.0]
+  if any(not 0 <= d <= 180 for d in degrees):
+    raise ValueError(f"--affine_sweep={','.join(values)}: expected rotations in degrees "
+                     "between 0 and 180")
+  return degrees

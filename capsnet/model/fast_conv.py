@@ -60,6 +60,12 @@ IMPLS = ("auto", "custom_grad", "conv2d", "dft")
 LAYERS = ("conv1", "primary_caps")
 
 
+def on_gpu(device):
+  """Whether `device` (e.g. "/gpu:0", "/device:GPU:1"; None: not given) is a
+  GPU: the one place that reads a device string for it."""
+  return device is not None and "gpu" in device.lower()
+
+
 def resolve_impl(conv_impl, device=None):
   """The `conv_impl` a model placed on `device` computes with: "custom_grad",
   "conv2d" or "dft" as given; "auto" (without a plan) is "conv2d" on a GPU
@@ -71,8 +77,7 @@ def resolve_impl(conv_impl, device=None):
     raise ValueError(f"conv_impl must be one of {IMPLS}, got {conv_impl!r}")
   if conv_impl != "auto":
     return conv_impl
-  on_gpu = device is not None and "gpu" in device.lower()
-  return "conv2d" if on_gpu else "custom_grad"
+  return "conv2d" if on_gpu(device) else "custom_grad"
 
 
 def choose_method(conv_impl, dtype, stride, patch_size):

@@ -30,33 +30,55 @@ from capsnet.model import routing
 CAPSULE_LAYERS = ("paper", "official")
 
 
+def _field(default, description):
+  """A ModelConfig field: its default and what it is (the flag's help)."""
+  return dataclasses.field(default=default, metadata={"help": description})
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  """CapsNet hyperparameters; defaults are the paper's MNIST model."""
-  image_size: int = 28           # input height = width
-  image_channels: int = 1
-  num_classes: int = 10          # = number of DigitCaps
-  conv1_channels: int = 256      # Conv1: 256 9x9 filters, stride 1, ReLU
-  conv1_kernel: int = 9
-  primary_types: int = 32        # capsule types in PrimaryCaps
-  primary_dim: int = 8           # dimension of a primary capsule
-  primary_kernel: int = 9
-  primary_stride: int = 2
-  digit_dim: int = 16            # dimension of a DigitCaps capsule
-  iter_routing: int = 3          # r in Procedure 1
-  stop_gradient: bool = True     # inner routing iterations read stop_gradient(u_hat)
-  capsule_layers: str = "paper"  # "official": the authors' code's layers and inits
-  m_plus: float = 0.9            # margin loss m+
-  m_minus: float = 0.1           # margin loss m-
-  down_weight: float = 0.5       # margin loss lambda for absent classes
-  decoder_units: tuple = (512, 1024)  # hidden layers; output is the image
-  use_decoder: bool = True
-  recon_weight: float = 0.0005   # scales the *sum* of squared errors
-  dtype: str = "float32"         # variables and routing: float32 or float64
-  precision: str = "fp32"        # fp32, or bf16: convs and decoder matmuls in bfloat16
-  conv_impl: str = "auto"        # convolutions: auto (planned), custom_grad, conv2d or dft
-  conv_plan: str = ""            # each convolution's method, measured on the host
-                                 #   ("conv1:M,primary_caps:M"; "": conv_impl's rule)
+  """CapsNet hyperparameters; defaults are the paper's MNIST model. Each
+  field's description is its command-line flag's help (config.py)."""
+  image_size: int = _field(28, "input height = width in pixels")
+  image_channels: int = _field(1, "input channels")
+  num_classes: int = _field(10, "number of classes = DigitCaps")
+  conv1_channels: int = _field(256, "Conv1 filters (9x9, stride 1, ReLU)")
+  conv1_kernel: int = _field(9, "Conv1 kernel size")
+  primary_types: int = _field(32, "PrimaryCaps capsule types")
+  primary_dim: int = _field(8, "PrimaryCaps capsule dimension")
+  primary_kernel: int = _field(9, "PrimaryCaps kernel size")
+  primary_stride: int = _field(2, "PrimaryCaps stride")
+  digit_dim: int = _field(16, "DigitCaps capsule dimension")
+  iter_routing: int = _field(3, "routing iterations r (Procedure 1)")
+  stop_gradient: bool = _field(True, "inner routing iterations read stop_gradient(u_hat)")
+  capsule_layers: str = _field(
+      "paper", "paper: the layers and initialisers of the paper's text; official: "
+      "those of the authors' code (PrimaryCaps divided by its 32 types plus a bias, "
+      "a bias on DigitCaps' s_j, truncated-normal weights, biases 0.1; see README)")
+  m_plus: float = _field(0.9, "margin loss m+")
+  m_minus: float = _field(0.1, "margin loss m-")
+  down_weight: float = _field(0.5, "margin loss lambda (weight of absent classes)")
+  decoder_units: tuple = _field((512, 1024), "decoder hidden layer sizes (its output "
+                                "is the image)")
+  use_decoder: bool = _field(True, "train with the reconstruction decoder")
+  recon_weight: float = _field(0.0005, "weight of the summed squared reconstruction "
+                               "error")
+  dtype: str = _field("float32", "variable and routing dtype: float32 or float64")
+  precision: str = _field(
+      "fp32", "fp32, or bf16: convolutions and decoder matmuls in bfloat16 (mixed; "
+      "variables, u_hat, routing and losses in float32; fast on a CPU with AMX)")
+  conv_impl: str = _field(
+      "auto", "how the convolutions are computed: auto (train.py: each "
+      "convolution's fastest method measured on this host and cached, conv_plan; "
+      "TensorFlow's on a GPU; without a plan custom_grad on the CPU), custom_grad "
+      "(strided gradients as stride-1 convolutions, in bf16 also the strided "
+      "forward over 4 images side by side; Conv1's filter gradient as one GEMM), "
+      "conv2d (TensorFlow's conv2d and gradients; cuDNN on a GPU) or dft (strided "
+      "convolutions by an exact discrete Fourier transform)")
+  conv_plan: str = _field(
+      "", "each convolution's method, conv1:M,primary_caps:M (M: conv2d, patch_gemm, "
+      "dilated, folded, dft); empty: conv_impl decides (train.py records the "
+      "measured plan in config.json)")
 
   def __post_init__(self):
     object.__setattr__(self, "decoder_units", tuple(self.decoder_units))

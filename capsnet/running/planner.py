@@ -199,7 +199,7 @@ def plan_convolutions(cfg, batch, training, device=None, path=None, log=_say,
   Returns: (plan string for `ModelConfig.conv_plan`, {layer: {"method",
     "ms": {method: ms}, "cached": bool}}).
   """
-  if device is not None and "gpu" in device.lower():
+  if fast_conv.on_gpu(device):
     methods = dict.fromkeys(fast_conv.LAYERS, "conv2d")
     return fast_conv.format_plan(methods), {
         layer: {"method": "conv2d", "ms": {}, "cached": False} for layer in methods}
@@ -273,11 +273,10 @@ def plan_model(cfg, batch, device=None, recorded=None, replan=False,
                     else (cfg.precision,)):
     plans[precision] = plan_convolutions(dataclasses.replace(cfg, precision=precision),
                                          batch, True, device, path, log, timer)
-  on_gpu = device is not None and "gpu" in device.lower()
   if precision_auto:   # on a GPU nothing is timed: fp32
     faster = planned_seconds(plans["bf16"][1]) < planned_seconds(plans["fp32"][1])
     cfg = dataclasses.replace(cfg, precision="bf16" if faster else "fp32")
-  elif cfg.precision == "bf16" and not on_gpu:
+  elif cfg.precision == "bf16" and not fast_conv.on_gpu(device):
     bf16, fp32 = (planned_seconds(plans[p][1]) for p in ("bf16", "fp32"))
     if bf16 > fp32:
       log(f"planner: bf16 is slower than fp32 on this CPU ({1e3 * bf16:.0f} against "

@@ -28,6 +28,13 @@ class Position:
   accuracy_sum: float = 0.0  # metrics row (float64, added in step order)
   summed_steps: int = 0     # steps in those sums
 
+  def add_step(self, examples, loss, accuracy):
+    """A training step of `examples` (the step counted already)."""
+    self.examples += examples
+    self.loss_sum += float(loss)
+    self.accuracy_sum += float(accuracy)
+    self.summed_steps += 1
+
 
 def is_better(accuracy, loss, best_accuracy, best_loss, tie_wins=True):
   """The best-checkpoint rule: a higher validation accuracy wins; among

@@ -1,2 +1,3 @@
 """Using what training made: the SavedModel export (serving), the pictures
-eval.py draws (pictures), and the statistics the study reports (stats)."""
+eval.py draws (pictures), a study's report from its runs' files (report)
+and the statistics it reports (stats)."""

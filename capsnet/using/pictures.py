@@ -148,11 +148,6 @@ def routing_grids(couplings, prediction, grid, types):
   return [c[:, prediction].reshape(grid, grid, types).mean(axis=2) for c in couplings]
 
 
-def mean_entropy(c):
-  """Mean over input capsules of the entropy (nats) of `c [in_caps, classes]`."""
-  return float(-(c * np.log(c + 1e-12)).sum(axis=1).mean())
-
-
 def routing_figure(image, grids, entropies, kernels=(9, 9), stride=2, zoom=6):
   """One panel per routing iteration: the input in grey and, over each
   PrimaryCaps position (the centre of its receptive field in the input), a
@@ -186,6 +181,48 @@ def routing_figure(image, grids, entropies, kernels=(9, 9), stride=2, zoom=6):
   return (np.clip(row, 0, 1) * 255).round().astype(np.uint8)
 
 
+def tile(images, columns, gap=2):
+  """`[n, h, w]` or `[n, h, w, c]` floats in [0, 1] -> one uint8 `[H, W, c]`
+  grid (c = 1 for `[n, h, w]`), row-major, `columns` a row, white `gap`
+  pixels between and white where a row is short."""
+  images = np.asarray(images)
+  if images.ndim == 3:
+    images = images[..., None]
+  n, h, w, c = images.shape
+  rows = -(-n // columns)
+  grid = np.ones([rows * (h + gap) - gap, columns * (w + gap) - gap, c],
+                 np.result_type(images.dtype, np.float32))
+  for k, img in enumerate(images):
+    r, col = divmod(k, columns)
+    grid[r * (h + gap):r * (h + gap) + h, col * (w + gap):col * (w + gap) + w] = img
+  return (np.clip(grid, 0, 1) * 255).round().astype(np.uint8)
+
+
+# Figure 4's perturbations of one capsule dimension at a time (11 values).
+PERTURBATIONS = np.round(np.arange(-0.25, 0.2501, 0.05), 2)
+
+
+def perturbed_capsules(v, prediction):
+  """Figure 4's decoder inputs for one image: its digit capsules `v
+  [classes, dim]` with dimension d of the `prediction`'s capsule moved by
+  each of `PERTURBATIONS`, d by d. Returns `[dim * 11, classes, dim]`."""
+  classes, dim = v.shape
+  caps = np.repeat(v[None], dim * len(PERTURBATIONS), axis=0)
+  caps = caps.reshape(dim, len(PERTURBATIONS), classes, dim)
+  for d in range(dim):
+    caps[d, :, prediction, d] += PERTURBATIONS
+  return caps.reshape(-1, classes, dim)
+
+
+def figure4(blocks):
+  """Figure 4 of the paper: per image a block of its decoded perturbed
+  capsules, `[dim * 11, s, s]` in [0, 1] (rows: dimensions, columns:
+  perturbations), the blocks side by side 8 pixels apart. Returns uint8
+  `[H, W, 1]`."""
+  tiles = [tile(b, columns=len(PERTURBATIONS)) for b in blocks]
+  return tile(np.stack(tiles) / np.float32(255), columns=len(tiles), gap=8)
+
+
 def figure5(inputs, reconstructions, labels, predictions, zoom=3, per_row=6):
   """Figure 5 of the paper, for MultiMNIST: each case a tile with the input
   (grey) above the two reconstructions overlaid, the first in red and the
@@ -197,27 +234,19 @@ def figure5(inputs, reconstructions, labels, predictions, zoom=3, per_row=6):
     labels, predictions: `[n, 2]` ints.
   Returns: uint8 `[H, W, 3]`, `per_row` tiles a row.
   """
-  n, size = len(inputs), inputs.shape[1]
-  tiles = []
-  for k in range(n):
+  size = inputs.shape[1]
+  cases = []
+  for k in range(len(inputs)):
     grey = np.repeat(inputs[k][..., None], 3, axis=2)
     r = reconstructions[k].reshape(2, size, size)
     overlay = np.stack([r[0], r[1], np.zeros_like(r[0])], axis=2)
-    tile = np.kron(np.concatenate([grey, np.ones([2, size, 3]), overlay], axis=0),
+    case = np.kron(np.concatenate([grey, np.ones([2, size, 3]), overlay], axis=0),
                    np.ones([zoom, zoom, 1]))
-    label = np.ones([14, tile.shape[1], 3])
+    label = np.ones([14, case.shape[1], 3])
     _paint(label, text(f"L{labels[k][0]}{labels[k][1]} P{predictions[k][0]}"
                        f"{predictions[k][1]}"), 2, 2, (0, 0, 0))
-    tiles.append(np.concatenate([tile, label], axis=0))
-  blank = np.ones_like(tiles[0])
-  while len(tiles) % per_row:
-    tiles.append(blank)
-  gap = np.ones([tiles[0].shape[0], 6, 3])
-  rows = [np.concatenate(sum(([t, gap] for t in tiles[i:i + per_row]), [])[:-1], axis=1)
-          for i in range(0, len(tiles), per_row)]
-  sep = np.ones([6, rows[0].shape[1], 3])
-  grid = np.concatenate(sum(([r, sep] for r in rows), [])[:-1], axis=0)
-  return (np.clip(grid, 0, 1) * 255).round().astype(np.uint8)
+    cases.append(np.concatenate([case, label], axis=0))
+  return tile(cases, per_row, gap=6)
 
 
 def encode_png(array):
