@@ -26,7 +26,6 @@ same files again writes the same bytes.
 """
 import json
 import os
-import subprocess
 import sys
 
 from absl import app
@@ -106,16 +105,8 @@ def score(folder, epoch, log_path):
              f"{epoch} (epochs/); the run must be trained again in this sitting")
   entry = {"epoch": epoch, "step": runs.step_of(ckpt)}
   for split in ("test", "affine"):
-    out_dir = os.path.join(folder, f"along_epoch{epoch}_{split}")
-    cmd = [sys.executable, os.path.join(study.ROOT, "eval.py"), f"--checkpoint={ckpt}",
-           f"--split={split}", f"--out_dir={out_dir}", "--num_images=8",
-           "--figure4_images=1"]
-    with open(log_path, "a") as log:
-      rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=study.ROOT)
-    if rc:
-      sys.exit(f"along: error: eval.py --split={split} on {ckpt} failed (exit {rc}); "
-               f"see {log_path}")
-    res = runs.EvalFolder(out_dir).results()
+    res = study.evaluate(ckpt, os.path.join(folder, f"along_epoch{epoch}_{split}"),
+                         log_path, f"--split={split}", program="along").results()
     entry[split] = {k: res[k] for k in ("count", "error_percent", "margin_loss_mean",
                                         "routing_entropy", "routing_max_c") if k in res}
   return entry

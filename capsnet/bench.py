@@ -46,6 +46,8 @@ from capsnet.running import startup
 
 CONVS = ("planned", "custom_grad", "conv2d", "dft")
 MODES = ("train", "infer", "input", "layers", "routing")
+PRECISIONS = ("fp32", "bf16")
+VARIANTS = ("ours", "tiled")
 
 
 def define_flags():
@@ -426,6 +428,7 @@ def _measure_routing(settings, queue, repeats=7):
           if i >= 2:
             times[name].append(time.perf_counter() - t)
   queue.put({"mode": "routing", "precision": cfg.dtype, "shape": shape,
+             "iter_routing": settings["iter_routing"],
              "ms": {n: 1e3 * statistics.median(t) for n, t in times.items()},
              "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024})
 
@@ -492,35 +495,26 @@ def _one_round(settings, precisions, variants, modes, convs=("custom_grad",)):
                         settings["peak_size"])
            for p in ["fp32"] + [p for p in precisions if p != "fp32"]}
   bandwidth = _in_child(_bandwidth, settings["bandwidth_mb"])
-  print("matmul peak: " + ", ".join(f"{p} {g:.0f} GFLOP/s" for p, g in peaks.items())
-        + f"; memory bandwidth {bandwidth:.1f} GB/s", flush=True)
+  print(_machine_line(peaks, bandwidth), flush=True)
   results = []
   if "input" in modes:
     _idle("the input pipeline", busy)
-    r = _in_child(_measure_input, settings)
-    results.append(r)
-    print(f"input pipeline (shift augmentation, batch {r['batch_size']}): "
-          f"{r['images_per_sec']:.0f} images/s", flush=True)
+    results.append(_in_child(_measure_input, settings))
+    print(_line(results[-1]), flush=True)
   ratios = {}
   if "layers" in modes:
     for precision in precisions:
       _idle(f"layers {precision}", busy)
       r = _in_child(_measure_layers, precision, settings)
       results.append(r)
-      ms = r["ms"]
-      ratios[f"layers_{precision}_conv2d_over_dft"] = ms["conv2d"] / ms["dft"]
-      print(f"layers {precision:4s} {r['layer']} forward + gradients: " + ", ".join(
-          f"{m} {t:.1f} ms" for m, t in ms.items())
-          + f"; conv2d/dft {ms['conv2d'] / ms['dft']:.2f}x", flush=True)
+      ratios[f"layers_{precision}_conv2d_over_dft"] = r["ms"]["conv2d"] / r["ms"]["dft"]
+      print(_line(r), flush=True)
   if "routing" in modes:   # in float32 under either precision: measured once
     _idle("routing", busy)
     r = _in_child(_measure_routing, settings)
     results.append(r)
-    ms = r["ms"]
-    ratios["routing_procedure_1_over_matmuls"] = ms["procedure_1"] / ms["matmuls"]
-    print(f"routing {r['precision']} r = {settings['iter_routing']}, u_hat {r['shape']}, "
-          "forward + gradient: " + ", ".join(f"{m} {t:.1f} ms" for m, t in ms.items())
-          + f"; procedure_1/matmuls {ms['procedure_1'] / ms['matmuls']:.2f}x", flush=True)
+    ratios["routing_procedure_1_over_matmuls"] = r["ms"]["procedure_1"] / r["ms"]["matmuls"]
+    print(_line(r), flush=True)
   for mode in (m for m in modes if m in ("train", "infer")):
     for precision in precisions:
       for variant, conv in [(v, c) for v in variants for c in
@@ -538,11 +532,7 @@ def _one_round(settings, precisions, variants, modes, convs=("custom_grad",)):
           r["limit_ms"] = 1e3 * sum(c.limit(peaks[precision], bandwidth) for c in costs)
           r["fraction_of_limit"] = r["limit_ms"] / r["step_ms"]
         results.append(r)
-        plan = (f"  plan {r['plan']} ({r['planning_s']:.1f} s)"
-                if r["planning_s"] is not None else "")
-        print(f"{mode:5s} {precision:4s} {_label(r):17s} {r['images_per_sec']:7.1f} "
-              f"images/s  {_against(r)}  peak RSS {r['peak_rss_mib']:6.0f} "
-              f"MiB{plan}", flush=True)
+        print(_line(r), flush=True)
   for mode in (m for m in modes if m in ("train", "infer")):
     by = {(r["precision"], _label(r)): r["images_per_sec"]
           for r in results if r["mode"] == mode}
@@ -563,6 +553,27 @@ def _one_round(settings, precisions, variants, modes, convs=("custom_grad",)):
         ratios[f"input_over_train_{r['precision']}"] = fed / r["images_per_sec"]
   return {"matmul_peak_gflops": peaks, "bandwidth_gbs": bandwidth, "results": results,
           "ratios": ratios, "busy_cores": max(busy)}
+
+
+def _machine_line(peaks, bandwidth):
+  return ("matmul peak: " + ", ".join(f"{p} {g:.0f} GFLOP/s" for p, g in peaks.items())
+          + f"; memory bandwidth {bandwidth:.1f} GB/s")
+
+
+def _line(r):
+  """A measurement in one line (as each round measures it, and the medians)."""
+  if r["mode"] == "input":
+    return (f"input pipeline (shift augmentation, batch {r['batch_size']}): "
+            f"{r['images_per_sec']:.0f} images/s")
+  if r["mode"] in ("layers", "routing"):
+    what = (f"{r['layer']} forward + gradients" if r["mode"] == "layers" else
+            f"r = {r['iter_routing']}, u_hat {r['shape']}, forward + gradient")
+    return (f"{r['mode']} {r['precision']:4s} {what}: "
+            + ", ".join(f"{m} {t:.1f} ms" for m, t in r["ms"].items()))
+  plan = (f"  plan {r['plan']} ({r['planning_s']:.1f} s)"
+          if r["planning_s"] is not None else "")
+  return (f"{r['mode']:5s} {r['precision']:4s} {_label(r):17s} {r['images_per_sec']:7.1f} "
+          f"images/s  {_against(r)}  peak RSS {r['peak_rss_mib']:6.0f} MiB{plan}")
 
 
 def _against(r):
@@ -611,19 +622,8 @@ def run(settings, precisions, variants, modes, rounds=1, convs=("custom_grad",))
   summary = summarize(per_round)
   print(f"-- median of {rounds} round(s)")
   for r in summary["results"]:
-    if r["mode"] == "input":
-      print(f"input pipeline {r['images_per_sec']:.0f} images/s")
-    elif r["mode"] in ("layers", "routing"):
-      print(f"{r['mode']} {r['precision']:4s} {r.get('layer', '')}: " + ", ".join(
-          f"{m} {t:.1f} ms" for m, t in r["ms"].items()))
-    else:
-      plan = f"  plan {r['plan']}" if r["conv"] == "planned" else ""
-      print(f"{r['mode']:5s} {r['precision']:4s} {_label(r):17s} "
-            f"{r['images_per_sec']:7.1f} images/s  {_against(r)}  "
-            f"peak RSS {r['peak_rss_mib']:6.0f} MiB{plan}")
-  print("matmul peak: " + ", ".join(
-      f"{p} {g:.0f} GFLOP/s" for p, g in summary["matmul_peak_gflops"].items())
-      + f"; memory bandwidth {summary['bandwidth_gbs']:.1f} GB/s")
+    print(_line(r))
+  print(_machine_line(summary["matmul_peak_gflops"], summary["bandwidth_gbs"]))
   for k, v in summary["ratios"].items():
     spread = [rnd["ratios"][k] for rnd in per_round]
     print(f"{k}: {v:.2f}x  (rounds: {', '.join(f'{x:.2f}' for x in spread)})")
@@ -652,18 +652,11 @@ def main(argv):
               "conv": FLAGS.convs[0] if FLAGS.convs else "custom_grad",
               "steps": FLAGS.steps, "warmup": FLAGS.warmup, "peak_size": FLAGS.peak_size,
               "bandwidth_mb": FLAGS.bandwidth_mb}
-  for c in FLAGS.convs:
-    if c not in CONVS:
-      raise app.UsageError(f"--convs: {c!r} is not one of {', '.join(CONVS)}")
-  for p in FLAGS.precision:
-    if p not in ("fp32", "bf16"):
-      raise app.UsageError(f"--precision: {p!r} is not fp32 or bf16")
-  for m in FLAGS.modes:
-    if m not in MODES:
-      raise app.UsageError(f"--modes: {m!r} is not one of {', '.join(MODES)}")
-  for v in FLAGS.variants:
-    if v not in ("ours", "tiled"):
-      raise app.UsageError(f"--variants: {v!r} is not ours or tiled")
+  for name, allowed in (("convs", CONVS), ("precision", PRECISIONS), ("modes", MODES),
+                        ("variants", VARIANTS)):
+    bad = [v for v in FLAGS[name].value if v not in allowed]
+    if bad:
+      raise app.UsageError(f"--{name}: {bad[0]!r} is not one of {', '.join(allowed)}")
   if FLAGS.profile:
     report = profile(settings, FLAGS.precision)
   else:

@@ -198,20 +198,20 @@ def measure_routing(folder, iter_routing):
     predictions = out.predictions()
     results[r] = out.results(), (predictions["label"], predictions["prediction"])
   summary = routing_summary(results[iter_routing], results[other_routing(iter_routing)])
-  runs.RunFolder(folder).write_routing(summary)
+  runs.RunFolder(folder).write_json(runs.ROUTING_FILE, summary)
   return summary
 
 
-def evaluate(folder, out_dir, log_path, *args):
-  """eval.py on the best checkpoint of the run `folder`, with `args`, into
-  `out_dir` (its output appended to `log_path`). Returns: the
+def evaluate(checkpoint, out_dir, log_path, *args, program="study"):
+  """eval.py on `checkpoint` (a run folder: its best checkpoint), with
+  `args`, into `out_dir` (its output appended to `log_path`). Returns: the
   runs.EvalFolder. Exits if eval.py fails."""
-  cmd = [sys.executable, os.path.join(ROOT, "eval.py"), f"--checkpoint={folder}", *args,
-         f"--out_dir={out_dir}", "--num_images=8", "--figure4_images=1"]
+  cmd = [sys.executable, os.path.join(ROOT, "eval.py"), f"--checkpoint={checkpoint}",
+         *args, f"--out_dir={out_dir}", "--num_images=8", "--figure4_images=1"]
   with open(log_path, "a") as log:
     rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
   if rc:
-    sys.exit(f"study: error: eval.py {' '.join(args)} on {folder} failed (exit {rc}); "
+    sys.exit(f"{program}: error: eval.py {' '.join(args)} on {checkpoint} failed (exit {rc}); "
              f"see {log_path}")
   return runs.EvalFolder(out_dir)
 
@@ -231,7 +231,7 @@ def measure_affine(folder, sweep, out_folder=None):
   result = {k: res[k] for k in ("checkpoint", "count", "error_percent",
                                 "margin_loss_mean", "iter_routing", "weights", "affine",
                                 "sweep")}
-  runs.RunFolder(out_folder).write_affine_results(result)
+  runs.RunFolder(out_folder).write_json(runs.AFFINE_RESULTS_FILE, result)
   return result
 
 
@@ -309,15 +309,16 @@ def run_grid(grid, variants, seeds, schedules, settings, extra, pairs, sweep):
               and bool(runs.RunFolder(folder).checkpoints("best")))
     if (FLAGS.routing and scored
         and tasks.get(spec.get("dataset", tasks.DEFAULT)).heads == "one_digit"
-        and runs.RunFolder(folder).routing() is None):
+        and runs.RunFolder(folder).read_json(runs.ROUTING_FILE) is None):
       print(f"{os.path.basename(folder)}: measuring routing", flush=True)
       measure_routing(folder, spec["iter_routing"])
-    if grid.affine and sweep and scored and runs.RunFolder(folder).affine_results() is None:
+    if (grid.affine and sweep and scored
+        and runs.RunFolder(folder).read_json(runs.AFFINE_RESULTS_FILE) is None):
       print(f"{os.path.basename(folder)}: scoring the affine test set", flush=True)
       measure_affine(folder, sweep)
   shipped = os.path.join(FLAGS.out, report.SHIPPED)
   if (grid.affine and sweep and FLAGS.shipped
-      and runs.RunFolder(shipped).affine_results() is None):
+      and runs.RunFolder(shipped).read_json(runs.AFFINE_RESULTS_FILE) is None):
     print(f"{FLAGS.shipped}: scoring the affine test set", flush=True)
     os.makedirs(shipped, exist_ok=True)
     measure_affine(FLAGS.shipped, sweep, shipped)

@@ -104,7 +104,7 @@ def _bench(*args, quiet=True, env=None):
 def test_cli_rejects_unknown_precision():
   proc = _bench("--precision=fp16")
   assert proc.returncode != 0
-  assert "--precision: 'fp16' is not fp32 or bf16" in proc.stderr
+  assert "--precision: 'fp16' is not one of fp32, bf16" in proc.stderr
 
 
 @pytest.mark.integration

@@ -136,7 +136,7 @@ def final_test(run):
   result = dict(evaluation.summary(test), checkpoint=best, split="test")
   if run.g.eval_averaged:
     result["weights"] = "averaged" if averaged else "raw"
-  run.folder.write_test_results(result)
+  run.folder.write_json(runs.TEST_RESULTS_FILE, result)
   print(f"test ({best}{', averaged weights' if averaged else ''}): accuracy "
         f"{test['accuracy']:.4f}, error {test['error_percent']:.2f}% on "
         f"{test['count']} images")

@@ -264,13 +264,6 @@ class RunFolder:
 
   # -- results
 
-  def write_test_results(self, result):
-    files.write_json(self.file(TEST_RESULTS_FILE), result)
-
-  def test_results(self):
-    """test_results.json, or None."""
-    return _read_json(self.file(TEST_RESULTS_FILE))
-
   def read_json(self, name):
     """The folder's JSON file `name` (e.g. a study's results), or None.
     Raises: RunError naming the file if it is not JSON."""
@@ -283,20 +276,6 @@ class RunFolder:
     """The folder's JSON file `name`, written whole or not at all."""
     files.write_json(self.file(name), value)
 
-  def write_routing(self, summary):
-    files.write_json(self.file(ROUTING_FILE), summary)
-
-  def routing(self):
-    """routing.json, or None."""
-    return _read_json(self.file(ROUTING_FILE))
-
-  def write_affine_results(self, result):
-    files.write_json(self.file(AFFINE_RESULTS_FILE), result)
-
-  def affine_results(self):
-    """affine_results.json, or None."""
-    return _read_json(self.file(AFFINE_RESULTS_FILE))
-
   def record_host(self, facts):
     """host.json: `facts` (the machine, the code) as {"started": facts}; a
     later start on another machine or code is added to "resumed"."""
@@ -306,10 +285,6 @@ class RunFolder:
     elif facts not in [old["started"], *old["resumed"]]:
       old["resumed"].append(facts)
       files.write_json(self.file(HOST_FILE), old)
-
-  def host(self):
-    """host.json, or None."""
-    return _read_json(self.file(HOST_FILE))
 
   def copy_small_files(self, target, names=SMALL_FILES):
     """Copies the files of `names` there are (never checkpoints) into the

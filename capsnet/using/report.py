@@ -39,7 +39,7 @@ def epochs_done(folder):
 
 def is_complete(folder, epochs):
   """The run finished `epochs` epochs and scored its best checkpoint."""
-  return (runs.RunFolder(folder).test_results() is not None
+  return (runs.RunFolder(folder).read_json(runs.TEST_RESULTS_FILE) is not None
           and epochs_done(folder) >= epochs)
 
 
@@ -51,7 +51,7 @@ def describe_run(folder, epochs):
   if not epoch_rows:
     return None
   complete = is_complete(folder, epochs)
-  test = run.test_results() if complete else {}
+  test = run.read_json(runs.TEST_RESULTS_FILE) if complete else {}
   config = run.config() or {}
   model, batch = config.get("model", {}), config.get("train", {}).get("batch_size")
   val = [m for m in metrics if "val_error_percent" in m]
@@ -60,7 +60,7 @@ def describe_run(folder, epochs):
   epoch_val = [m[key] for m in epoch_rows if key in m]
   diags = run.diagnostics()
   wall = sum(m["wall_s"] for m in epoch_rows if "wall_s" in m)
-  affine = (run.affine_results() if complete else None) or {}
+  affine = (run.read_json(runs.AFFINE_RESULTS_FILE) if complete else None) or {}
   return {
       "run": os.path.basename(folder), "complete": complete,
       "epochs_done": epoch_rows[-1]["epoch"], "steps": epoch_rows[-1]["step"],
@@ -74,7 +74,7 @@ def describe_run(folder, epochs):
       "affine_error": affine.get("error_percent"),
       "affine_sweep": [(x["max_rotation_deg"], x["error_percent"])
                        for x in affine.get("sweep", [])],
-      "host": run.host(),
+      "host": run.read_json(runs.HOST_FILE),
       "best_val_error": min((m[key] for m in val if key in m), default=None),
       "val_weights": weights,            # whose validation figures these are
       "test_weights": test.get("weights", "raw"),
@@ -85,7 +85,7 @@ def describe_run(folder, epochs):
       "tied_steps": _tied_steps(val, key),
       "last_val_error": (statistics.mean(epoch_val[-LAST_EPOCHS:])
                          if complete and len(epoch_val) >= LAST_EPOCHS else None),
-      "routing": run.routing() if complete else None,
+      "routing": run.read_json(runs.ROUTING_FILE) if complete else None,
       "images_per_sec": statistics.mean(m["images_per_sec"] for m in epoch_rows),
       "train_wall_s": round(wall, 1),
       "curve": [(m["epoch"], m["val_error_percent"]) for m in val],
@@ -631,5 +631,5 @@ def publish(out, rows, folder):
 def shipped_sweep(out):
   """The shipped weights' affine sweep [(degrees, error %)] from
   <out>/shipped/affine_results.json, or []."""
-  res = runs.RunFolder(os.path.join(out, SHIPPED)).affine_results() or {}
+  res = runs.RunFolder(os.path.join(out, SHIPPED)).read_json(runs.AFFINE_RESULTS_FILE) or {}
   return [(x["max_rotation_deg"], x["error_percent"]) for x in res.get("sweep", [])]
