@@ -140,6 +140,7 @@ def measures(folder, kept):
   or not trained yet, is left out); {} if the folder has no run."""
   results = scored(folder)
   rows = {r["epoch"]: r for r in runs.RunFolder(folder).metrics("epoch")}
+  diags = runs.RunFolder(folder).diagnostics()
   out = {}
   for epoch in kept:
     entry = results.get(str(epoch))
@@ -151,8 +152,16 @@ def measures(folder, kept):
                   "affine_error": affine["error_percent"],
                   "train_loss": rows[epoch]["train_loss"],
                   "val_loss": rows[epoch].get("val_loss"),
-                  "max_c": (test.get("routing_max_c") or [None])[-1]}
+                  "max_c": (test.get("routing_max_c") or [None])[-1],
+                  "grad_share": _grad_share(diags, rows[epoch]["step"])}
   return out
+
+
+def _grad_share(diags, step):
+  """The share of W's gradient through the couplings (the gradient
+  diagnostic, `digit_caps/weights`) in its last row at or before `step`."""
+  before = [d for d in diags if d["step"] <= step and "digit_caps/weights" in d]
+  return before[-1]["digit_caps/weights"] if before else None
 
 
 def collect(out, seeds, kept):
@@ -235,9 +244,13 @@ def markdown(found, table, reversals, kept, blocks):
   else:
     lines += ["", "No reversal is called."]
   lines += ["", "## Per variant (mean over blocks; descriptive)", "",
+            "The couplings from the test scoring; the gradient share from the "
+            "epoch's last gradient diagnostic (||g_full - g_stop|| / ||g_full|| of "
+            "W, on a fixed batch of 32).", "",
             "| variant | epoch | test margin loss | test error % | affine error % | "
-            "train loss | val loss | mean largest coupling, last iteration |",
-            "|---|---|---|---|---|---|---|---|"]
+            "train loss | val loss | mean largest coupling, last iteration "
+            "| share of W's gradient through the couplings |",
+            "|---|---|---|---|---|---|---|---|---|"]
   for variant in VARIANTS:
     for epoch in kept:
       ms = [m[epoch] for m in found.get(variant, {}).values() if epoch in m]
@@ -249,7 +262,7 @@ def markdown(found, table, reversals, kept, blocks):
       lines.append(f"| {variant} | {epoch} | {mean('test_margin_loss', '.5f')} | "
                    f"{mean('test_error', '.3f')} | {mean('affine_error', '.3f')} | "
                    f"{mean('train_loss', '.5f')} | {mean('val_loss', '.5f')} | "
-                   f"{mean('max_c', '.4f')} |")
+                   f"{mean('max_c', '.4f')} | {mean('grad_share', '.3f')} |")
   return "\n".join(lines) + "\n"
 
 

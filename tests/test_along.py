@@ -30,6 +30,10 @@ def fake_run(folder, variant, seed):
       f.write(json.dumps({"epoch": epoch, "step": 429 * epoch, "kind": "epoch",
                           "train_loss": 0.1 / epoch + 0.001 * seed,
                           "val_loss": 0.05 / epoch, "images_per_sec": 100.0}) + "\n")
+  with open(os.path.join(folder, "diagnostics.jsonl"), "w") as f:
+    for step in range(100, 4291, 100):   # every 100 steps, as the protocol's runs
+      share = 0.0 if variant == "r1_recon" else step / 10000 + 0.01 * seed
+      f.write(json.dumps({"step": step, "digit_caps/weights": share}) + "\n")
   results = {}
   for epoch in KEPT:
     margin = 0.02 / epoch + 0.001 * seed + base * (STOP_EFFECT[epoch] + NOISE[seed])
@@ -74,8 +78,11 @@ def test_the_rule_by_hand_and_a_called_reversal(blocks):
   # r3_recon against r1_recon: the same figures, nothing to call.
   same = table[("r1_recon", "r3_recon")]["test_error"]
   assert all(d["mean"] == 0 and not d["called"] for d in same.values())
-  # The training loss comes from the epoch's row.
+  # The training loss comes from the epoch's row; the gradient share from the
+  # epoch's last diagnostic (step 2,100 for epoch 5's end at 2,145).
   assert found["r1_recon"][3][5]["train_loss"] == pytest.approx(0.1 / 5 + 0.003)
+  assert found["r3_recon"][3][5]["grad_share"] == pytest.approx(0.21 + 0.03)
+  assert found["r1_recon"][3][5]["grad_share"] == 0.0
 
 
 def test_no_reversal_when_calls_agree(blocks):

@@ -1,0 +1,203 @@
+"""The stop_gradient question at each length of training, in one place
+(issue 41): what each protocol calls, and how far routing moves the
+couplings there, from the committed results.json files alone.
+
+  python -m capsnet.answer                  # study/answer.md and answer.json
+
+Rows, shortest training first: the short protocol (5 epochs on a schedule
+compressed to a learning-rate sum under one epoch, the best-validation
+checkpoint; docs/short.md), the protocol along training (the weights at the
+end of epochs 1, 2, 5 and 10 of the paper's schedule, no selection;
+docs/along.md) and the 50-epoch Table 1 rows (the paper's schedule, the
+best-validation checkpoint, one or two seeds; docs/table1.md). Each cell is
+a pair's paired difference B - A over the blocks or seeds that have both
+runs: its mean, its 95% t interval where n > 1, in bold where the interval
+excludes zero (each protocol's rule: `stats.paired_difference`). Nothing is
+computed here that the protocols' own reports do not compute; this module
+puts their figures side by side. Writing the same files again writes the
+same bytes.
+"""
+import json
+import os
+import statistics
+import sys
+
+from absl import app
+from absl import flags
+
+from capsnet.running import files
+from capsnet.running import schedule
+from capsnet.using import stats
+
+PAIRS = (("r3_recon", "r3_recon_nostop", "the stop: nostop - stop"),
+         ("r1_recon", "r3_recon", "routing with the stop: r3 - r1"),
+         ("r1_recon", "r3_recon_nostop", "routing without it: r3 nostop - r1"))
+MEASURES = (("test_margin_loss", "mean test margin loss (the protocols' primary "
+             "measure)", "+.5f"),
+            ("test_error", "test error, % points", "+.3f"))
+ROUTED = ("r3_recon", "r3_recon_nostop")   # the variants whose couplings move
+SHORT_DECAY_STEPS = 14                     # the short protocol's compressed schedule
+
+
+def define_flags():
+  flags.DEFINE_string("study", os.path.join(os.path.dirname(os.path.dirname(
+      os.path.abspath(__file__))), "study"), "the folder of short/, along/ and table1/")
+  flags.DEFINE_string("out", None, "where answer.md and answer.json go "
+                      "(default: --study)")
+
+
+FLAGS = flags.FLAGS
+
+
+def _read(path):
+  if not os.path.exists(path):
+    return None
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except ValueError as e:
+    raise ValueError(f"{path}: not a JSON file ({e})") from None
+
+
+def _mean(values):
+  values = [v for v in values if v is not None]
+  return statistics.mean(values) if values else None
+
+
+def _from_rows(rows, decay_steps):
+  """{variant: {seed: run}} of a study report's finished runs at one schedule."""
+  return {r["variant"]: {x["seed"]: x for x in r["runs"] if x["complete"]}
+          for r in rows if r["decay_steps"] == decay_steps}
+
+
+def _grid_row(label, selection, runs_by_variant):
+  """A row of a seeded grid (short, table1): each pair's paired differences
+  over the seeds both variants finished, and the routed variants' couplings
+  (routing.json: the mean largest coupling after the last iteration) and
+  gradient share (the last gradient diagnostic)."""
+  row = {"length": label, "selection": selection, "pairs": {}, "mechanism": {}}
+  for a, b, _ in PAIRS:
+    row["pairs"][f"{a}:{b}"] = {
+        key: stats.paired_difference(
+            *({s: x[key] for s, x in runs_by_variant.get(v, {}).items()} for v in (a, b)))
+        for key, _, _ in MEASURES}
+  for v in ROUTED:
+    found = list(runs_by_variant.get(v, {}).values())
+    row["mechanism"][v] = {
+        "max_c": _mean((x.get("routing") or {}).get("own", {}).get("max_c", [None])[-1]
+                       for x in found),
+        "grad_share": _mean(x["diag"]["digit_caps/weights"][1] for x in found),
+        "n": len(found)}
+  return row
+
+
+def rows(study):
+  """The table's rows from <study>/{short,along,table1}/results.json (a
+  protocol without its file is left out)."""
+  out = []
+  short = _read(os.path.join(study, "short", "results.json"))
+  if short:
+    out.append(_grid_row("5 epochs, compressed schedule", "best validation",
+                         _from_rows(short["rows"], SHORT_DECAY_STEPS)))
+  along = _read(os.path.join(study, "along", "results.json"))
+  if along:
+    for epoch in along["kept_epochs"]:
+      row = {"length": f"epoch {epoch}, paper's schedule", "selection": "none",
+             "pairs": {}, "mechanism": {}}
+      for c in along["comparisons"]:
+        if c["epoch"] == epoch:
+          d = {k: c[k] for k in ("seeds", "diffs", "n", "mean", "sd", "t", "lo", "hi",
+                                 "called")}
+          row["pairs"].setdefault(f"{c['a']}:{c['b']}", {})[c["measure"]] = d
+      for v in ROUTED:
+        per = [m[str(epoch)] for m in along["runs"].get(v, {}).values()
+               if str(epoch) in m]
+        row["mechanism"][v] = {"max_c": _mean(m.get("max_c") for m in per),
+                               "grad_share": _mean(m.get("grad_share") for m in per),
+                               "n": len(per)}
+      out.append(row)
+  table1 = _read(os.path.join(study, "table1", "results.json"))
+  if table1:
+    found = table1["rows"] if isinstance(table1, dict) else table1
+    out.append(_grid_row("50 epochs, paper's schedule", "best validation",
+                         _from_rows(found, schedule.DECAY_STEPS)))
+  return out
+
+
+def _cell(d, spec):
+  if d is None:
+    return "–"
+  if d["lo"] is None:
+    return f"{format(d['mean'], spec)} (n = {d['n']})"
+  text = (f"{format(d['mean'], spec)} [{format(d['lo'], spec)}, "
+          f"{format(d['hi'], spec)}], n = {d['n']}")
+  return f"**{text}**" if d["called"] else text
+
+
+def _fmt(x, spec):
+  return "–" if x is None else format(x, spec)
+
+
+def markdown(table):
+  lines = ["# The stop_gradient question along training", "",
+           "From study/short, study/along and study/table1's results.json "
+           "(`python -m capsnet.answer`). Cells: the paired difference B - A over "
+           "the blocks or seeds with both runs, its mean and 95% t interval; "
+           "**bold** = called (the interval excludes zero); B - A > 0: A has the "
+           "lower loss or error. n = 1: one pair, no interval, nothing called.", ""]
+  for key, what, spec in MEASURES:
+    lines += [f"## {what}", "",
+              "| training | checkpoint chosen on | " + " | ".join(
+                  f"{name} ({a}:{b})" for a, b, name in PAIRS) + " |",
+              "|---|---|" + "---|" * len(PAIRS)]
+    for row in table:
+      lines.append(f"| {row['length']} | {row['selection']} | " + " | ".join(
+          _cell(row["pairs"].get(f"{a}:{b}", {}).get(key), spec)
+          for a, b, _ in PAIRS) + " |")
+    lines.append("")
+  lines += ["## How far routing moves the couplings (descriptive)", "",
+            "Mean largest coupling after the last of three iterations on the test "
+            "images (uniform: 0.1), and the share of W's gradient that flows "
+            "through the couplings (||g_full - g_stop|| / ||g_full||, the last "
+            "gradient diagnostic), mean over the runs (n).", "",
+            "| training | " + " | ".join(f"{v}: largest coupling | {v}: gradient share"
+                                        for v in ROUTED) + " |",
+            "|---|" + "---|---|" * len(ROUTED)]
+  for row in table:
+    cells = []
+    for v in ROUTED:
+      m = row["mechanism"].get(v, {})
+      n = f" (n = {m['n']})" if m.get("n") else ""
+      cells += [_fmt(m.get("max_c"), ".4f") + (n if m.get("max_c") is not None else ""),
+                _fmt(m.get("grad_share"), ".3f") + (n if m.get("grad_share") is not None
+                                                    else "")]
+    lines.append(f"| {row['length']} | " + " | ".join(cells) + " |")
+  return "\n".join(lines) + "\n"
+
+
+def write(study, out=None):
+  """answer.md and answer.json into `out` (default: `study`). Returns the markdown."""
+  out = out or study
+  table = rows(study)
+  if not table:
+    raise ValueError(f"{study}: no short/, along/ or table1/results.json (a "
+                     "mistyped --study?)")
+  text = markdown(table)
+  os.makedirs(out, exist_ok=True)
+  files.atomic_write(os.path.join(out, "answer.md"), text)
+  files.atomic_write(os.path.join(out, "answer.json"),
+                     json.dumps(table, indent=1, sort_keys=True) + "\n")
+  return text
+
+
+def main(argv):
+  del argv
+  try:
+    print(write(FLAGS.study, FLAGS.out))
+  except ValueError as e:
+    sys.exit(f"answer: error: {e}")
+
+
+if __name__ == "__main__":
+  define_flags()
+  app.run(main)

@@ -1,0 +1,93 @@
+"""The answer along training (capsnet.answer): the protocols' figures side by
+side, from fake results.json files of the short protocol, the protocol along
+training (written by along's own report) and the 50-epoch rows."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from capsnet import along
+from capsnet import answer
+from capsnet.using import stats
+from conftest import ROOT
+from test_along import blocks  # noqa: F401 (a fixture)
+
+# Test margin loss by (variant, seed) of a fake grid; nostop lower in every seed.
+MARGIN = {"r1_recon": [0.020, 0.021, 0.022], "r3_recon": [0.0201, 0.0212, 0.0219],
+          "r3_recon_nostop": [0.0190, 0.0195, 0.0210]}
+
+
+def grid_rows(decay_steps, seeds):
+  """A study report's rows (`report.summarize`'s fields that answer reads)."""
+  rows = []
+  for variant, margins in MARGIN.items():
+    rows.append({"variant": variant, "decay_steps": decay_steps, "runs": [
+        {"seed": s, "complete": True, "test_margin_loss": margins[s],
+         "test_error": 1.0 + margins[s] * 10,
+         "routing": ({"own": {"max_c": [0.1, 0.103, 0.104 + 0.001 * s]}}
+                     if variant != "r1_recon" else None),
+         "diag": {"digit_caps/weights": [0.0, 0.2 + 0.1 * s]}} for s in seeds]})
+  # Another schedule's row is left out.
+  rows.append(dict(rows[0], decay_steps=decay_steps + 1))
+  return rows
+
+
+@pytest.fixture
+def study(tmp_path, blocks):  # noqa: F811
+  root = tmp_path / "study"
+  (root / "short").mkdir(parents=True)
+  (root / "table1").mkdir()
+  (root / "short" / "results.json").write_text(json.dumps(
+      {"rows": grid_rows(answer.SHORT_DECAY_STEPS, [0, 1, 2]), "comparisons": []}))
+  (root / "table1" / "results.json").write_text(json.dumps(
+      {"rows": grid_rows(2000, [0]), "comparisons": []}))
+  found = along.collect(blocks, range(5), along.KEPT)
+  along.report(found, along.KEPT, str(root / "along"))
+  return str(root)
+
+
+def test_each_length_a_row_with_each_protocols_own_figures(study):
+  table = answer.rows(study)
+  assert [r["length"] for r in table] == [
+      "5 epochs, compressed schedule", "epoch 1, paper's schedule",
+      "epoch 2, paper's schedule", "epoch 5, paper's schedule",
+      "epoch 10, paper's schedule", "50 epochs, paper's schedule"]
+  short = table[0]["pairs"]["r3_recon:r3_recon_nostop"]["test_margin_loss"]
+  by_hand = stats.paired_difference(dict(enumerate(MARGIN["r3_recon"])),
+                                    dict(enumerate(MARGIN["r3_recon_nostop"])))
+  assert short == by_hand and short["n"] == 3
+  # The along rows are along's comparisons, copied.
+  payload = json.load(open(os.path.join(study, "along", "results.json")))
+  at5 = next(c for c in payload["comparisons"] if c["epoch"] == 5
+             and c["measure"] == "test_error" and c["a"] == "r1_recon"
+             and c["b"] == "r3_recon_nostop")
+  assert table[3]["pairs"]["r1_recon:r3_recon_nostop"]["test_error"]["mean"] == at5["mean"]
+  assert table[-1]["pairs"]["r3_recon:r3_recon_nostop"]["test_margin_loss"]["n"] == 1
+  # The mechanism: means over the routed runs.
+  assert table[0]["mechanism"]["r3_recon"]["max_c"] == pytest.approx(0.105)
+  assert table[0]["mechanism"]["r3_recon"]["grad_share"] == pytest.approx(0.3)
+  assert table[4]["mechanism"]["r3_recon"]["grad_share"] == pytest.approx(0.42 + 0.02)
+
+
+def test_the_markdown_and_the_same_bytes_again(study, tmp_path):
+  text = answer.write(study, str(tmp_path / "out"))
+  # The short protocol's stop pair: nostop below in all three seeds, called.
+  d = answer.rows(study)[0]["pairs"]["r3_recon:r3_recon_nostop"]["test_margin_loss"]
+  assert d["called"]
+  assert f"| **{d['mean']:+.5f} [{d['lo']:+.5f}, {d['hi']:+.5f}], n = 3** |" in text
+  assert "| 50 epochs, paper's schedule | best validation | -0.00110 (n = 1) |" in text
+  before = {p: (tmp_path / "out" / p).read_bytes() for p in ("answer.md", "answer.json")}
+  answer.write(study, str(tmp_path / "out"))
+  assert {p: (tmp_path / "out" / p).read_bytes() for p in before} == before
+
+
+def test_a_missing_protocol_is_left_out_and_none_refused(study, tmp_path):
+  os.remove(os.path.join(study, "table1", "results.json"))
+  assert answer.rows(study)[-1]["length"] == "epoch 10, paper's schedule"
+  proc = subprocess.run([sys.executable, "-m", "capsnet.answer", f"--study={tmp_path}"],
+                        capture_output=True, text=True, cwd=ROOT, timeout=120)
+  assert proc.returncode == 1
+  assert proc.stderr.strip() == (f"answer: error: {tmp_path}: no short/, along/ or "
+                                 "table1/results.json (a mistyped --study?)")
