@@ -26,6 +26,7 @@ from absl import app
 from absl import flags
 
 from capsnet.running import files
+from capsnet.running import runs
 from capsnet.running import schedule
 from capsnet.using import stats
 
@@ -49,14 +50,10 @@ def define_flags():
 FLAGS = flags.FLAGS
 
 
-def _read(path):
-  if not os.path.exists(path):
-    return None
-  try:
-    with open(path) as f:
-      return json.load(f)
-  except ValueError as e:
-    raise ValueError(f"{path}: not a JSON file ({e})") from None
+def _read(study, protocol):
+  """<study>/<protocol>/results.json, or None.
+  Raises: runs.RunError naming the file if it is not JSON."""
+  return runs.RunFolder(os.path.join(study, protocol)).read_json("results.json")
 
 
 def _mean(values):
@@ -95,11 +92,11 @@ def rows(study):
   """The table's rows from <study>/{short,along,table1}/results.json (a
   protocol without its file is left out)."""
   out = []
-  short = _read(os.path.join(study, "short", "results.json"))
+  short = _read(study, "short")
   if short:
     out.append(_grid_row("5 epochs, compressed schedule", "best validation",
                          _from_rows(short["rows"], SHORT_DECAY_STEPS)))
-  along = _read(os.path.join(study, "along", "results.json"))
+  along = _read(study, "along")
   if along:
     for epoch in along["kept_epochs"]:
       row = {"length": f"epoch {epoch}, paper's schedule", "selection": "none",
@@ -116,7 +113,7 @@ def rows(study):
                                "grad_share": _mean(m.get("grad_share") for m in per),
                                "n": len(per)}
       out.append(row)
-  table1 = _read(os.path.join(study, "table1", "results.json"))
+  table1 = _read(study, "table1")
   if table1:
     found = table1["rows"] if isinstance(table1, dict) else table1
     out.append(_grid_row("50 epochs, paper's schedule", "best validation",
@@ -194,7 +191,7 @@ def main(argv):
   del argv
   try:
     print(write(FLAGS.study, FLAGS.out))
-  except ValueError as e:
+  except ValueError as e:   # runs.RunError too: a damaged results.json, named
     sys.exit(f"answer: error: {e}")
 
 

@@ -91,3 +91,11 @@ def test_a_missing_protocol_is_left_out_and_none_refused(study, tmp_path):
   assert proc.returncode == 1
   assert proc.stderr.strip() == (f"answer: error: {tmp_path}: no short/, along/ or "
                                  "table1/results.json (a mistyped --study?)")
+
+
+def test_a_damaged_results_file_is_named(study):
+  damaged = os.path.join(study, "table1", "results.json")
+  with open(damaged, "w") as f:
+    f.write('{"rows": [')
+  with pytest.raises(ValueError, match=f"^{damaged}: not a JSON file"):
+    answer.rows(study)
