@@ -224,14 +224,10 @@ def markdown(found, table, reversals, kept, blocks):
            "interval; **bold** = called (the interval excludes zero). B - A > 0: A "
            "has the lower loss or error.", ""]
   for key, what, spec in MEASURES:
-    lines += [f"## {what}", "",
-              "| pair (A:B) | " + " | ".join(f"epoch {e}" for e in kept) + " |",
-              "|---|" + "---|" * len(kept)]
-    for a, b, name in PAIRS:
-      per = table[(a, b)][key]
-      lines.append(f"| {name} ({a}:{b}) | "
-                   + " | ".join(_cell(per.get(e), spec) for e in kept) + " |")
-    lines.append("")
+    lines += [f"## {what}", ""] + study_report.table(
+        ["pair (A:B)", *(f"epoch {e}" for e in kept)],
+        [[f"{name} ({a}:{b})", *(_cell(table[(a, b)][key].get(e), spec) for e in kept)]
+         for a, b, name in PAIRS]) + [""]
   lines += ["## Calls", "",
             f"{n_called} of {n_int} intervals exclude zero; with no difference "
             f"anywhere about {0.05 * n_int:.1f} would by chance (95% each, not "
@@ -246,23 +242,21 @@ def markdown(found, table, reversals, kept, blocks):
   lines += ["", "## Per variant (mean over blocks; descriptive)", "",
             "The couplings from the test scoring; the gradient share from the "
             "epoch's last gradient diagnostic (||g_full - g_stop|| / ||g_full|| of "
-            "W, on a fixed batch of 32).", "",
-            "| variant | epoch | test margin loss | test error % | affine error % | "
-            "train loss | val loss | mean largest coupling, last iteration "
-            "| share of W's gradient through the couplings |",
-            "|---|---|---|---|---|---|---|---|---|"]
-  for variant in VARIANTS:
-    for epoch in kept:
-      ms = [m[epoch] for m in found.get(variant, {}).values() if epoch in m]
-      if not ms:
-        continue
-      def mean(k, spec):
-        vals = [m[k] for m in ms if m.get(k) is not None]
-        return format(sum(vals) / len(vals), spec) if vals else ""
-      lines.append(f"| {variant} | {epoch} | {mean('test_margin_loss', '.5f')} | "
-                   f"{mean('test_error', '.3f')} | {mean('affine_error', '.3f')} | "
-                   f"{mean('train_loss', '.5f')} | {mean('val_loss', '.5f')} | "
-                   f"{mean('max_c', '.4f')} | {mean('grad_share', '.3f')} |")
+            "W, on a fixed batch of 32).", ""]
+  columns = (("test_margin_loss", ".5f"), ("test_error", ".3f"), ("affine_error", ".3f"),
+             ("train_loss", ".5f"), ("val_loss", ".5f"), ("max_c", ".4f"),
+             ("grad_share", ".3f"))
+  def row(variant, epoch):
+    ms = [m[epoch] for m in found.get(variant, {}).values() if epoch in m]
+    means = [[m[k] for m in ms if m.get(k) is not None] for k, _ in columns]
+    return [variant, epoch, *(format(sum(v) / len(v), spec) if v else ""
+                              for v, (_, spec) in zip(means, columns))]
+  lines += study_report.table(
+      ["variant", "epoch", "test margin loss", "test error %", "affine error %",
+       "train loss", "val loss", "mean largest coupling, last iteration",
+       "share of W's gradient through the couplings"],
+      [row(v, e) for v in VARIANTS for e in kept
+       if any(e in m for m in found.get(v, {}).values())])
   return "\n".join(lines) + "\n"
 
 

@@ -28,6 +28,7 @@ from absl import flags
 from capsnet.running import files
 from capsnet.running import runs
 from capsnet.running import schedule
+from capsnet.using import report
 from capsnet.using import stats
 
 PAIRS = (("r3_recon", "r3_recon_nostop", "the stop: nostop - stop"),
@@ -131,10 +132,6 @@ def _cell(d, spec):
   return f"**{text}**" if d["called"] else text
 
 
-def _fmt(x, spec):
-  return "–" if x is None else format(x, spec)
-
-
 def markdown(table):
   lines = ["# The stop_gradient question along training", "",
            "From study/short, study/along and study/table1's results.json "
@@ -143,32 +140,24 @@ def markdown(table):
            "**bold** = called (the interval excludes zero); B - A > 0: A has the "
            "lower loss or error. n = 1: one pair, no interval, nothing called.", ""]
   for key, what, spec in MEASURES:
-    lines += [f"## {what}", "",
-              "| training | checkpoint chosen on | " + " | ".join(
-                  f"{name} ({a}:{b})" for a, b, name in PAIRS) + " |",
-              "|---|---|" + "---|" * len(PAIRS)]
-    for row in table:
-      lines.append(f"| {row['length']} | {row['selection']} | " + " | ".join(
-          _cell(row["pairs"].get(f"{a}:{b}", {}).get(key), spec)
-          for a, b, _ in PAIRS) + " |")
-    lines.append("")
+    lines += [f"## {what}", ""] + report.table(
+        ["training", "checkpoint chosen on", *(f"{name} ({a}:{b})" for a, b, name in PAIRS)],
+        [[row["length"], row["selection"], *(
+            _cell(row["pairs"].get(f"{a}:{b}", {}).get(key), spec) for a, b, _ in PAIRS)]
+         for row in table]) + [""]
   lines += ["## How far routing moves the couplings (descriptive)", "",
             "Mean largest coupling after the last of three iterations on the test "
             "images (uniform: 0.1), and the share of W's gradient that flows "
             "through the couplings (||g_full - g_stop|| / ||g_full||, the last "
-            "gradient diagnostic), mean over the runs (n).", "",
-            "| training | " + " | ".join(f"{v}: largest coupling | {v}: gradient share"
-                                        for v in ROUTED) + " |",
-            "|---|" + "---|---|" * len(ROUTED)]
-  for row in table:
-    cells = []
-    for v in ROUTED:
-      m = row["mechanism"].get(v, {})
-      n = f" (n = {m['n']})" if m.get("n") else ""
-      cells += [_fmt(m.get("max_c"), ".4f") + (n if m.get("max_c") is not None else ""),
-                _fmt(m.get("grad_share"), ".3f") + (n if m.get("grad_share") is not None
-                                                    else "")]
-    lines.append(f"| {row['length']} | " + " | ".join(cells) + " |")
+            "gradient diagnostic), mean over the runs (n).", ""]
+  def figure(m, key, spec):
+    return "–" if m.get(key) is None else f"{format(m[key], spec)} (n = {m['n']})"
+  lines += report.table(
+      ["training", *(f"{v}: {what}" for v in ROUTED
+                     for what in ("largest coupling", "gradient share"))],
+      [[row["length"], *(figure(row["mechanism"].get(v, {}), key, spec) for v in ROUTED
+                         for key, spec in (("max_c", ".4f"), ("grad_share", ".3f")))]
+       for row in table])
   return "\n".join(lines) + "\n"
 
 

@@ -245,6 +245,12 @@ def _fmt(x, spec):
   return "–" if x is None else format(x, spec)
 
 
+def table(header, rows):
+  """A markdown table's lines: the `header`'s cells, then a line per row of cells."""
+  return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+          *("| " + " | ".join(str(c) for c in row) + " |" for row in rows)]
+
+
 def _duration(seconds):
   h, m = divmod(round(seconds / 60), 60)
   return f"{h} h {m:02d} min" if h else f"{m} min"
@@ -255,43 +261,36 @@ def markdown(rows, grid, comparisons=(), descriptive=()):
   comparisons (of the `grid`'s measures; `descriptive`: of its descriptive
   figures, with where the best-checkpoint ties fell) and, where measured,
   how far routing moves the couplings."""
-  lines = [
-      "| variant | r | decoder | stop_gradient | lr decay every | seeds done "
-      "| test error % (mean ± std) | per seed | best val error % | images/s "
-      "| routing share of W grad, start → end | of conv1 grad |",
-      "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-  for r in rows:
-    w0, w1 = r["diag"]["digit_caps/weights"]
-    c0, c1 = r["diag"]["conv1/weights"]
-    mean = _fmt(r["test_error_mean"], ".3f")
-    if r["test_error_std"] is not None:
-      mean += f" ± {r['test_error_std']:.3f}"
+  def variant(r):
+    (w0, w1), (c0, c1) = r["diag"]["digit_caps/weights"], r["diag"]["conv1/weights"]
     per_seed = ", ".join(
         f"{x['test_error']:.2f}" if x["complete"] else
         f"in progress ({x['epochs_done']}/{r['epochs']} epochs)" for x in r["runs"])
-    lines.append(
-        f"| {r['variant']} | {r['iter_routing']} | {'yes' if r['use_decoder'] else 'no'} | "
-        f"{'n/a' if r['iter_routing'] == 1 else r['stop_gradient']} | "
-        f"{r['decay_steps']} steps | {r['seeds']} of {len(r['runs'])} | {mean} | "
-        f"{per_seed} | {_fmt(r['best_val_error_mean'], '.3f')} | "
-        f"{r['images_per_sec']:.0f} | {_fmt(w0, '.3g')} → {_fmt(w1, '.3g')} | "
-        f"{_fmt(c0, '.3g')} → {_fmt(c1, '.3g')} |")
+    return [r["variant"], r["iter_routing"], "yes" if r["use_decoder"] else "no",
+            "n/a" if r["iter_routing"] == 1 else r["stop_gradient"],
+            f"{r['decay_steps']} steps", f"{r['seeds']} of {len(r['runs'])}",
+            _mean_std(r["test_error_mean"], r["test_error_std"]), per_seed,
+            _fmt(r["best_val_error_mean"], ".3f"), f"{r['images_per_sec']:.0f}",
+            f"{_fmt(w0, '.3g')} → {_fmt(w1, '.3g')}", f"{_fmt(c0, '.3g')} → {_fmt(c1, '.3g')}"]
   multi = _multimnist(rows)
-  extra = " training pairs seen | test: at least one right % |" if multi else ""
-  lines += ["", "| run | precision | epochs | steps | test error % | test errors "
-            "| best val error % | images/s | training wall time |" + extra,
-            "|---|---|---|---|---|---|---|---|---|" + ("---|---|" if multi else "")]
-  for r in rows:
-    for x in r["runs"]:
-      epochs = f"{x['epochs_done']}" + ("" if x["complete"] else " (in progress)")
-      cells = [x["run"], x["precision"], epochs, x["steps"],
-               _fmt(x["test_error"], ".2f"), _fmt(x["test_errors_count"], "d"),
-               _fmt(x["best_val_error"], ".2f"), f"{x['images_per_sec']:.0f}",
-               _duration(x["train_wall_s"])]
-      if multi:
-        one = x["test_at_least_one"]
-        cells += [_fmt(x["images_seen"], ",d"), _fmt(None if one is None else 100 * one, ".2f")]
-      lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+  def run(x):
+    one = x["test_at_least_one"]
+    return [x["run"], x["precision"],
+            f"{x['epochs_done']}" + ("" if x["complete"] else " (in progress)"), x["steps"],
+            _fmt(x["test_error"], ".2f"), _fmt(x["test_errors_count"], "d"),
+            _fmt(x["best_val_error"], ".2f"), f"{x['images_per_sec']:.0f}",
+            _duration(x["train_wall_s"])] + ([
+                _fmt(x["images_seen"], ",d"), _fmt(None if one is None else 100 * one, ".2f")]
+                                             if multi else [])
+  lines = table(["variant", "r", "decoder", "stop_gradient", "lr decay every", "seeds done",
+                 "test error % (mean ± std)", "per seed", "best val error %", "images/s",
+                 "routing share of W grad, start → end", "of conv1 grad"],
+                [variant(r) for r in rows])
+  lines += [""] + table(
+      ["run", "precision", "epochs", "steps", "test error %", "test errors",
+       "best val error %", "images/s", "training wall time"]
+      + (["training pairs seen", "test: at least one right %"] if multi else []),
+      [run(x) for r in rows for x in r["runs"]])
   seed_table = _short_table(rows) if grid.affine else _seed_table(rows)
   lines += (seed_table + _comparison_table(comparisons, grid)
             + _selection_table(rows, grid, descriptive) + _routing_table(rows)
@@ -307,44 +306,39 @@ def _seed_table(rows):
   """Both figures of the decision rule, per variant over its finished seeds."""
   if not any(r["seeds"] for r in rows) or _multimnist(rows):
     return []
-  lines = ["", "Both figures of the decision rule over the finished seeds (mean ± "
-           "sample std):", "",
-           f"| variant | lr decay every | seeds | test error % | per seed "
-           f"| mean val error of the last {LAST_EPOCHS} epochs % | per seed |",
-           "|---|---|---|---|---|---|---|"]
-  for r in rows:
+  def row(r):
     done = [x for x in r["runs"] if x["complete"]]
     per = lambda key, spec: ", ".join(
         f"{_fmt(x[key], spec)} (seed {x['seed']})" for x in done) or "–"
-    lines.append(
-        f"| {r['variant']} | {r['decay_steps']} | {len(done)} | "
-        f"{_mean_std(r['test_error_mean'], r['test_error_std'])} | "
-        f"{per('test_error', '.2f')} | "
-        f"{_mean_std(r['last_val_error_mean'], r['last_val_error_std'])} | "
-        f"{per('last_val_error', '.3f')} |")
-  return lines
+    return [r["variant"], r["decay_steps"], len(done),
+            _mean_std(r["test_error_mean"], r["test_error_std"]), per("test_error", ".2f"),
+            _mean_std(r["last_val_error_mean"], r["last_val_error_std"]),
+            per("last_val_error", ".3f")]
+  return ["", "Both figures of the decision rule over the finished seeds (mean ± "
+          "sample std):", ""] + table(
+              ["variant", "lr decay every", "seeds", "test error %", "per seed",
+               f"mean val error of the last {LAST_EPOCHS} epochs %", "per seed"],
+              [row(r) for r in rows])
 
 
 def _short_table(rows):
   """The short protocol's three measures, per variant over its finished blocks."""
   if not any(r["seeds"] for r in rows):
     return []
-  lines = ["", "The three measures over the finished blocks (mean ± sample std; per "
-           "block = seed):", "",
-           "| variant | blocks | test error % | per block | mean test margin loss "
-           "| per block | affine-test error % | per block |",
-           "|---|---|---|---|---|---|---|---|"]
-  for r in rows:
+  def row(r):
     done = [x for x in r["runs"] if x["complete"]]
-    cells = [r["variant"], str(len(done))]
+    cells = [r["variant"], len(done)]
     for key, spec in (("test_error", ".2f"), ("test_margin_loss", ".5f"),
                       ("affine_error", ".2f")):
       m = r["measures"][key]
       cells.append(_fmt(m["mean"], spec) + ("" if m["std"] is None
                                              else f" ± {format(m['std'], spec)}"))
       cells.append(", ".join(f"{_fmt(x[key], spec)} ({x['seed']})" for x in done) or "–")
-    lines.append("| " + " | ".join(cells) + " |")
-  return lines
+    return cells
+  return ["", "The three measures over the finished blocks (mean ± sample std; per "
+          "block = seed):", ""] + table(
+              ["variant", "blocks", "test error %", "per block", "mean test margin loss",
+               "per block", "affine-test error %", "per block"], [row(r) for r in rows])
 
 
 def _affine_table(rows):
@@ -353,15 +347,11 @@ def _affine_table(rows):
   if not swept:
     return []
   degrees = sorted({d for x in swept for d, _ in x["affine_sweep"]})
-  lines = ["", "Severity sweep (descriptive, not part of the decision rule): affine-test "
-           "error % against the largest rotation, the other ranges affNIST's:", "",
-           "| run | " + " | ".join(f"{d:g}°" for d in degrees) + " |",
-           "|---|" + "---|" * len(degrees)]
-  for x in swept:
-    at = dict(x["affine_sweep"])
-    lines.append(f"| {x['run']} | " + " | ".join(_fmt(at.get(d), ".2f") for d in degrees)
-                 + " |")
-  return lines
+  return ["", "Severity sweep (descriptive, not part of the decision rule): affine-test "
+          "error % against the largest rotation, the other ranges affNIST's:", ""] + table(
+              ["run", *(f"{d:g}°" for d in degrees)],
+              [[x["run"], *(_fmt(dict(x["affine_sweep"]).get(d), ".2f") for d in degrees)]
+               for x in swept])
 
 
 # The format of a figure's differences (the others: +.3f).
@@ -377,15 +367,12 @@ def _selection_table(rows, grid, descriptive):
            "the checkpoint each run scored, the steps tied at its lowest validation "
            "error (train.py then kept the first of them; since issue 41 the lower "
            "validation loss wins a tie), and the validation loss at the last step, "
-           "which no checkpoint choice touches:", "",
-           "| run | scored step | steps tied at the lowest val error | val loss, "
-           "last step |", "|---|---|---|---|"]
-  for r in rows:
-    for x in r["runs"]:
-      ties = x["tied_steps"]
-      lines.append(f"| {x['run']} | {_fmt(x['selected_step'], 'd')} | "
-                   f"{', '.join(map(str, ties)) if len(ties) > 1 else 'none'} | "
-                   f"{_fmt(x['last_val_loss'], '.5f')} |")
+           "which no checkpoint choice touches:", ""] + table(
+               ["run", "scored step", "steps tied at the lowest val error",
+                "val loss, last step"],
+               [[x["run"], _fmt(x["selected_step"], "d"),
+                 ", ".join(map(str, x["tied_steps"])) if len(x["tied_steps"]) > 1 else "none",
+                 _fmt(x["last_val_loss"], ".5f")] for r in rows for x in r["runs"]])
   return lines + _comparison_table(descriptive, dataclasses.replace(
       grid, measures=grid.descriptive, note=""))
 
@@ -399,22 +386,21 @@ def _comparison_table(comparisons, grid):
   losses = any("loss" in key for key, _ in grid.measures)
   lines = ["", f"Paired comparisons, B - A by {unit} (positive: A has the lower error"
            + (" or loss" if losses else "") + "); 95% interval mean ± t(0.975, n-1) "
-           "sd / sqrt(n); called only when it excludes zero" + grid.note + ":", "",
-           f"| A | B | lr decay every | figure | {unit}s | B - A per {unit} | mean | "
-           "95% interval | verdict |", "|---|---|---|---|---|---|---|---|---|"]
-  for c in comparisons:
-    for key, label in grid.measures:
-      d, spec = c[key], SPECS.get(key, "+.3f")
-      per_seed = "–" if d is None else ", ".join(
-          f"{format(x, spec)} ({unit} {s})" for s, x in zip(d["seeds"], d["diffs"]))
-      interval = ("–" if d is None or d["lo"] is None
-                  else f"[{format(d['lo'], spec)}, {format(d['hi'], spec)}]")
-      lines.append(
-          f"| {c['a']} | {c['b']} | {c['decay_steps']} | {label} | "
-          f"{0 if d is None else d['n']} | {per_seed} | "
-          f"{'–' if d is None else format(d['mean'], spec)} | {interval} | "
-          f"{stats.verdict(d, spec=spec, within=grid.within)} |")
-  return lines
+           "sd / sqrt(n); called only when it excludes zero" + grid.note + ":", ""]
+  def row(c, key, label):
+    d, spec = c[key], SPECS.get(key, "+.3f")
+    if d is None:
+      return [c["a"], c["b"], c["decay_steps"], label, 0, "–", "–", "–",
+              stats.verdict(d, spec=spec, within=grid.within)]
+    return [c["a"], c["b"], c["decay_steps"], label, d["n"], ", ".join(
+        f"{format(x, spec)} ({unit} {s})" for s, x in zip(d["seeds"], d["diffs"])),
+            format(d["mean"], spec),
+            "–" if d["lo"] is None else f"[{format(d['lo'], spec)}, {format(d['hi'], spec)}]",
+            stats.verdict(d, spec=spec, within=grid.within)]
+  return lines + table(["A", "B", "lr decay every", "figure", f"{unit}s",
+                        f"B - A per {unit}", "mean", "95% interval", "verdict"],
+                       [row(c, key, label) for c in comparisons
+                        for key, label in grid.measures])
 
 
 def _routing_table(rows):
@@ -425,20 +411,17 @@ def _routing_table(rows):
   lines = ["", "How far routing moves the couplings on the 10,000 test images "
            "(eval.py on the best-validation checkpoint; entropy in nats, uniform "
            "= log 10 = 2.3026; mean max c, uniform = 0.1), and what the other "
-           "routing count changes:", "",
-           "| run | r | mean entropy of c, per iteration | mean max c, per iteration "
-           "| test errors | evaluated with r = | test errors | predictions changed "
-           "| fixed | broken |", "|---|---|---|---|---|---|---|---|---|---|"]
-  for x in measured:
+           "routing count changes:", ""]
+  def row(x):
     m = x["routing"]
     own, other = m["own"], m["other"]
-    lines.append(
-        f"| {x['run']} | {own['iter_routing']} | "
-        + " → ".join(f"{e:.4f}" for e in own["entropy"]) + " | "
-        + " → ".join(f"{c:.4f}" for c in own["max_c"]) + " | "
-        f"{own['errors']} | {other['iter_routing']} | {other['errors']} | "
-        f"{m['changed']} | {m['fixed']} | {m['broken']} |")
-  return lines
+    return [x["run"], own["iter_routing"], " → ".join(f"{e:.4f}" for e in own["entropy"]),
+            " → ".join(f"{c:.4f}" for c in own["max_c"]), own["errors"],
+            other["iter_routing"], other["errors"], m["changed"], m["fixed"], m["broken"]]
+  return lines + table(["run", "r", "mean entropy of c, per iteration",
+                        "mean max c, per iteration", "test errors", "evaluated with r =",
+                        "test errors", "predictions changed", "fixed", "broken"],
+                       [row(x) for x in measured])
 
 
 def figure():
