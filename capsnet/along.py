@@ -210,8 +210,8 @@ def _cell(d, spec):
   return f"**{text}**" if d["called"] else text
 
 
-def markdown(found, table, reversals, kept, blocks):
-  """results.md."""
+def markdown(found, table, reversals, kept, blocks, partial=()):
+  """results.md; `partial`: the seeds of incomplete blocks, left out."""
   n_int = sum(1 for pairs in table.values() for per in pairs.values()
               for d in per.values() if d["lo"] is not None)
   n_called = sum(1 for pairs in table.values() for per in pairs.values()
@@ -219,7 +219,9 @@ def markdown(found, table, reversals, kept, blocks):
   final = blocks >= 5
   lines = [f"# {TITLE}", "",
            f"{blocks} block(s) (seeds {', '.join(map(str, sorted(_seeds(found))))})"
-           + ("" if final else ": **interim**, the rule judges five blocks") + ".",
+           + ("" if final else ": **interim**, the rule judges five blocks") + "."
+           + (f" Seed(s) {', '.join(map(str, partial))}: an incomplete block (a run "
+              "or a scoring missing), left out until it is complete." if partial else ""),
            "Cells: the paired difference B - A over the blocks, its mean and 95% t "
            "interval; **bold** = called (the interval excludes zero). B - A > 0: A "
            "has the lower loss or error.", ""]
@@ -295,12 +297,16 @@ def plot(table, kept, path):
 
 def report(found, kept, folder):
   """results.md, results.json and along.png into `folder`. Returns the markdown."""
+  done = blocks_done(found, kept)
+  partial = sorted(_seeds(found) - set(done))
+  # A block is its three runs, each scored at every registered epoch: the
+  # runs of an incomplete one (a sitting that ended first) are left out.
+  found = {v: {s: m for s, m in per.items() if s in done} for v, per in found.items()}
   table, reversals = compare(found, kept)
-  blocks = len(blocks_done(found, kept))
-  text = markdown(found, table, reversals, kept, blocks)
+  text = markdown(found, table, reversals, kept, len(done), partial)
   os.makedirs(folder, exist_ok=True)
   files.atomic_write(os.path.join(folder, "results.md"), text)
-  payload = {"blocks": blocks_done(found, kept), "kept_epochs": list(kept),
+  payload = {"blocks": done, "incomplete_blocks": partial, "kept_epochs": list(kept),
              "runs": {v: {str(s): {str(e): m for e, m in per.items()}
                           for s, per in seeds.items()} for v, seeds in found.items()},
              "comparisons": [{"a": a, "b": b, "measure": key, "epoch": e, **d}

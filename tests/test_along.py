@@ -178,3 +178,25 @@ def test_a_block_end_to_end_on_a_small_model(tmp_path):
     assert sorted(os.listdir(pub / along.run_name(variant, 0))) == sorted(
         n for n in along.SMALL_FILES)
   assert "1 block(s) (seeds 0): **interim**" in (pub / "results.md").read_text()
+
+
+def test_an_incomplete_block_is_left_out(blocks, tmp_path):
+  # Block 4 without its r3_recon_nostop run (a sitting that ended first), and
+  # block 3 with one registered epoch not scored.
+  import shutil
+  shutil.rmtree(os.path.join(blocks, along.run_name("r3_recon_nostop", 4)))
+  path = os.path.join(blocks, along.run_name("r1_recon", 3), along.RESULTS_FILE)
+  results = json.load(open(path))
+  del results["10"]
+  json.dump(results, open(path, "w"))
+  found = along.collect(blocks, range(5), KEPT)
+  text = along.report(found, KEPT, str(tmp_path / "out"))
+  assert ("3 block(s) (seeds 0, 1, 2): **interim**, the rule judges five blocks. "
+          "Seed(s) 3, 4: an incomplete block (a run or a scoring missing), left out "
+          "until it is complete.") in text
+  payload = json.loads((tmp_path / "out" / "results.json").read_text())
+  assert payload["blocks"] == [0, 1, 2] and payload["incomplete_blocks"] == [3, 4]
+  # Every pair is over the same three blocks, r3 - r1 too (both of its runs exist
+  # in block 4).
+  assert {c["n"] for c in payload["comparisons"]} == {3}
+  assert sorted(payload["runs"]["r3_recon"]) == ["0", "1", "2"]
