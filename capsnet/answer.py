@@ -19,7 +19,6 @@ same bytes.
 """
 import json
 import os
-import statistics
 import sys
 
 from absl import app
@@ -29,6 +28,7 @@ from capsnet.running import files
 from capsnet.running import runs
 from capsnet.running import schedule
 from capsnet.using import report
+from capsnet.using.report import mean_or_none
 from capsnet.using import stats
 
 PAIRS = (("r3_recon", "r3_recon_nostop", "the stop: nostop - stop"),
@@ -57,11 +57,6 @@ def _read(study, protocol):
   return runs.RunFolder(os.path.join(study, protocol)).read_json("results.json")
 
 
-def _mean(values):
-  values = [v for v in values if v is not None]
-  return statistics.mean(values) if values else None
-
-
 def _from_rows(rows, decay_steps):
   """{variant: {seed: run}} of a study report's finished runs at one schedule."""
   return {r["variant"]: {x["seed"]: x for x in r["runs"] if x["complete"]}
@@ -82,9 +77,9 @@ def _grid_row(label, selection, runs_by_variant):
   for v in ROUTED:
     found = list(runs_by_variant.get(v, {}).values())
     row["mechanism"][v] = {
-        "max_c": _mean((x.get("routing") or {}).get("own", {}).get("max_c", [None])[-1]
-                       for x in found),
-        "grad_share": _mean(x["diag"]["digit_caps/weights"][1] for x in found),
+        "max_c": mean_or_none((x.get("routing") or {}).get("own", {}).get("max_c", [None])[-1]
+                              for x in found),
+        "grad_share": mean_or_none(x["diag"]["digit_caps/weights"][1] for x in found),
         "n": len(found)}
   return row
 
@@ -110,8 +105,8 @@ def rows(study):
       for v in ROUTED:
         per = [m[str(epoch)] for m in along["runs"].get(v, {}).values()
                if str(epoch) in m]
-        row["mechanism"][v] = {"max_c": _mean(m.get("max_c") for m in per),
-                               "grad_share": _mean(m.get("grad_share") for m in per),
+        row["mechanism"][v] = {"max_c": mean_or_none(m.get("max_c") for m in per),
+                               "grad_share": mean_or_none(m.get("grad_share") for m in per),
                                "n": len(per)}
       out.append(row)
   table1 = _read(study, "table1")

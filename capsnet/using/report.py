@@ -157,7 +157,7 @@ def summarize(out, grid, variants, seeds, epochs, schedules=(schedule.DECAY_STEP
         "last_val_error_std": statistics.stdev(lasts) if len(lasts) > 1 else None,
         "images_per_sec": statistics.mean(r["images_per_sec"] for r in runs),
         "measures": {key: _spread([r[key] for r in done]) for key in MEASURES},
-        "diag": {key: tuple(_mean_or_none(r["diag"][key][i] for r in runs)
+        "diag": {key: tuple(mean_or_none(r["diag"][key][i] for r in runs)
                             for i in (0, 1))
                  for key in ("digit_caps/weights", "conv1/weights")},
         "curves": [r["curve"] for r in runs],
@@ -176,7 +176,7 @@ def _spread(values):
           "std": statistics.stdev(values) if len(values) > 1 else None}
 
 
-def _mean_or_none(values):
+def mean_or_none(values):
   values = [v for v in values if v is not None]
   return statistics.mean(values) if values else None
 
