@@ -201,15 +201,6 @@ def compare(found, kept):
   return table, reversals
 
 
-def _cell(d, spec):
-  if d is None:
-    return ""
-  if d["lo"] is None:
-    return f"{format(d['mean'], spec)} (n = 1)"
-  text = f"{format(d['mean'], spec)} [{format(d['lo'], spec)}, {format(d['hi'], spec)}]"
-  return f"**{text}**" if d["called"] else text
-
-
 def markdown(found, table, reversals, kept, blocks, partial=()):
   """results.md; `partial`: the seeds of incomplete blocks, left out."""
   n_int = sum(1 for pairs in table.values() for per in pairs.values()
@@ -228,7 +219,7 @@ def markdown(found, table, reversals, kept, blocks, partial=()):
   for key, what, spec in MEASURES:
     lines += [f"## {what}", ""] + study_report.table(
         ["pair (A:B)", *(f"epoch {e}" for e in kept)],
-        [[f"{name} ({a}:{b})", *(_cell(table[(a, b)][key].get(e), spec) for e in kept)]
+        [[f"{name} ({a}:{b})", *(stats.cell(table[(a, b)][key].get(e), spec) for e in kept)]
          for a, b, name in PAIRS]) + [""]
   lines += ["## Calls", "",
             f"{n_called} of {n_int} intervals exclude zero; with no difference "

@@ -117,16 +117,6 @@ def rows(study):
   return out
 
 
-def _cell(d, spec):
-  if d is None:
-    return "–"
-  if d["lo"] is None:
-    return f"{format(d['mean'], spec)} (n = {d['n']})"
-  text = (f"{format(d['mean'], spec)} [{format(d['lo'], spec)}, "
-          f"{format(d['hi'], spec)}], n = {d['n']}")
-  return f"**{text}**" if d["called"] else text
-
-
 def markdown(table):
   lines = ["# The stop_gradient question along training", "",
            "From study/short, study/along and study/table1's results.json "
@@ -138,7 +128,8 @@ def markdown(table):
     lines += [f"## {what}", ""] + report.table(
         ["training", "checkpoint chosen on", *(f"{name} ({a}:{b})" for a, b, name in PAIRS)],
         [[row["length"], row["selection"], *(
-            _cell(row["pairs"].get(f"{a}:{b}", {}).get(key), spec) for a, b, _ in PAIRS)]
+            stats.cell(row["pairs"].get(f"{a}:{b}", {}).get(key), spec, "–", show_n=True)
+            for a, b, _ in PAIRS)]
          for row in table]) + [""]
   lines += ["## How far routing moves the couplings (descriptive)", "",
             "Mean largest coupling after the last of three iterations on the test "

@@ -216,14 +216,18 @@ def test_t_quantiles_and_paired_interval_by_hand():
   assert not d["called"]
   assert stats.verdict(d) == ("not measurable at this budget: the interval is "
                               "[-0.090, +0.183]")
+  assert stats.cell(d, "+.3f") == "+0.047 [-0.090, +0.183]"   # not called: not bold
   # Consistent differences: the interval excludes zero.
   d = stats.paired_difference({0: 1.0, 1: 2.0, 2: 3.0}, {0: 1.5, 1: 2.6, 2: 3.4})
   np.testing.assert_allclose([d["lo"], d["hi"]], [0.5 - 4.3027 * 0.1 / np.sqrt(3),
                                                   0.5 + 4.3027 * 0.1 / np.sqrt(3)],
                              atol=1e-4)
   assert d["called"] and stats.verdict(d).startswith("called: +0.500 points")
+  assert stats.cell(d, "+.2f") == "**+0.50 [+0.25, +0.75]**"
+  assert stats.cell(d, "+.2f", show_n=True) == "**+0.50 [+0.25, +0.75], n = 3**"
   d = stats.paired_difference({0: 1.0}, {0: 1.5})
   assert d["lo"] is None and not d["called"]
+  assert stats.cell(d, ".1f") == "0.5 (n = 1)" and stats.cell(None, ".1f", "–") == "–"
   assert stats.paired_difference({0: 1.0}, {1: 1.5}) is None
   with pytest.raises(ValueError, match="p must be in"):
     stats.t_quantile(0.4, 3)

@@ -73,6 +73,20 @@ def paired_difference(a, b, level=0.95):
   return result
 
 
+def cell(d, spec, missing="", show_n=False):
+  """A table's cell for a `paired_difference` result: the mean and its
+  interval, **bold** where called; `missing` for None; `show_n`: the pair
+  count after the interval too."""
+  if d is None:
+    return missing
+  n = f"n = {d['n']}"
+  if d["lo"] is None:
+    return f"{format(d['mean'], spec)} ({n})"
+  text = (f"{format(d['mean'], spec)} [{format(d['lo'], spec)}, "
+          f"{format(d['hi'], spec)}]" + (f", {n}" if show_n else ""))
+  return f"**{text}**" if d["called"] else text
+
+
 def verdict(d, unit="points", spec="+.3f", within=False):
   """The decision rule's sentence for a `paired_difference` result.
 
