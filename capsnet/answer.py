@@ -28,7 +28,6 @@ from capsnet.running import files
 from capsnet.running import runs
 from capsnet.running import schedule
 from capsnet.using import report
-from capsnet.using.report import mean_or_none
 from capsnet.using import stats
 
 PAIRS = (("r3_recon", "r3_recon_nostop", "the stop: nostop - stop"),
@@ -77,9 +76,9 @@ def _grid_row(label, selection, runs_by_variant):
   for v in ROUTED:
     found = list(runs_by_variant.get(v, {}).values())
     row["mechanism"][v] = {
-        "max_c": mean_or_none((x.get("routing") or {}).get("own", {}).get("max_c", [None])[-1]
-                              for x in found),
-        "grad_share": mean_or_none(x["diag"]["digit_caps/weights"][1] for x in found),
+        "max_c": report.mean_or_none(
+            (x.get("routing") or {}).get("own", {}).get("max_c", [None])[-1] for x in found),
+        "grad_share": report.mean_or_none(x["diag"]["digit_caps/weights"][1] for x in found),
         "n": len(found)}
   return row
 
@@ -105,8 +104,8 @@ def rows(study):
       for v in ROUTED:
         per = [m[str(epoch)] for m in along["runs"].get(v, {}).values()
                if str(epoch) in m]
-        row["mechanism"][v] = {"max_c": mean_or_none(m.get("max_c") for m in per),
-                               "grad_share": mean_or_none(m.get("grad_share") for m in per),
+        row["mechanism"][v] = {"max_c": report.mean_or_none(m.get("max_c") for m in per),
+                               "grad_share": report.mean_or_none(m.get("grad_share") for m in per),
                                "n": len(per)}
       out.append(row)
   table1 = _read(study, "table1")
