@@ -139,6 +139,14 @@ def test_stopped_gradient_is_gradient_with_c_held_fixed(iters):
     assert np.linalg.norm(a.reshape(-1) - full.reshape(-1)) > 1e-3
 
 
+def _through_identities(t):
+  """The tensor behind `t`'s identities (without the stop, the reads of u_hat
+  are identities whose gradients routing adds in a fixed order)."""
+  while t.op.type in ("Identity", "IdentityN"):
+    t = t.op.inputs[t.value_index if t.op.type == "IdentityN" else 0]
+  return t
+
+
 @pytest.mark.parametrize("iters", [2, 3])
 def test_graph_structure(tiny_cfg, iters):
   graph = tf.Graph()
@@ -156,7 +164,7 @@ def test_graph_structure(tiny_cfg, iters):
       for r, c in enumerate(out.couplings):
         # The weighted sum of iteration r: the product of c with u_hat.
         (s_op,) = [op for op in c.consumers() if op.type == "BatchMatMulV2"]
-        reads = s_op.inputs[1]          # u_hat viewed as [batch, in_caps, o*d]
+        reads = _through_identities(s_op.inputs[1])  # u_hat as [batch, in_caps, o*d]
         assert reads.op.type == "Reshape"
         s = graph.get_tensor_by_name(f"{scope}/iter_{r}/s:0")
         grad = tf.gradients(s, out.u_hat)[0]
@@ -166,3 +174,29 @@ def test_graph_structure(tiny_cfg, iters):
         else:
           assert reads.op.inputs[0] is out.u_hat
           assert grad is not None
+
+
+def test_routing_reads_are_not_summed_by_an_add_n(tiny_cfg):
+  """The CPU AddN kernel sums its inputs in an order that depends on which
+  input buffer it may reuse at that moment, so a sum of three or more can
+  change in its last bits from run to run on a busy machine. Without the
+  stop u_hat has 2r - 1 readers (two matmuls an inner iteration, one in the
+  last); their gradients must be added by `routing.ordered_sum`, not by the
+  AddN tf.gradients would put there. Checked on the graph that runs, after
+  Grappler (which merges chains of adds into AddN), in one Adam step."""
+  cfg = dataclasses.replace(tiny_cfg, iter_routing=3, stop_gradient=False)
+  with tf.Graph().as_default(), tf.compat.v1.Session() as sess:
+    images = tf.constant(np.random.RandomState(0).rand(3, cfg.image_size, cfg.image_size, 1))
+    out = network.forward(images, tf.constant([1, 2, 3]), cfg, training=True)
+    step = tf.compat.v1.train.AdamOptimizer(1e-3).minimize(out.loss)
+    sess.run(tf.compat.v1.global_variables_initializer())
+    meta = tf.compat.v1.RunMetadata()
+    sess.run(step, options=tf.compat.v1.RunOptions(output_partition_graphs=True),
+             run_metadata=meta)
+  nodes = [n for g in meta.partition_graphs for n in g.node]
+  reads = [n.name for n in nodes if "/routing/" in n.name and "MatMul" in n.op]
+  assert len(reads) >= 5      # the routing's matmuls and their gradients ran
+  wide = [n.name for n in nodes if n.op == "AddN"
+          and sum(not i.startswith("^") for i in n.input) > 2
+          and any("/routing/" in i and "MatMul" in i for i in n.input)]
+  assert wide == []

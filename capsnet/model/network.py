@@ -365,7 +365,8 @@ def tower_gradients(images, labels, cfg, optimizer, devices, variable_device=Non
 
 
 def average_gradients(tower_grads):
-  """Averages gradients over towers.
+  """Averages gradients over towers, adding them in tower order
+  (`routing.ordered_sum`: the same bits in every run).
 
   Args:
     tower_grads: one list of (gradient, variable) pairs per tower, all with
@@ -375,7 +376,7 @@ def average_gradients(tower_grads):
   averaged = []
   for pairs in zip(*tower_grads):
     grads = [g for g, _ in pairs if g is not None]
-    mean = tf.add_n(grads) / float(len(grads)) if grads else None
+    mean = routing.ordered_sum(grads) / float(len(grads)) if grads else None
     averaged.append((mean, pairs[0][1]))
   return averaged
 

@@ -51,6 +51,37 @@ def squash(s, axis=-1):
     return s * (sq / ((1.0 + sq) * norm))
 
 
+def ordered_sum(tensors):
+  """`tensors[0] + tensors[1] + ...`, added left to right: the same bits in
+  every run, however busy the machine.
+
+  `tf.add_n`, and the AddN that `tf.gradients` puts where a tensor has
+  several consumers, is not: TensorFlow's CPU kernel moves whichever input
+  buffer it may reuse for its output to the front of the sum, and which one
+  that is depends on which other ops still hold their inputs at that moment
+  (measured: two 100-step `r3_recon_nostop` runs repeated bit for bit on an
+  idle machine and differed in every variable beside a busy loop;
+  docs/training.md). A binary add is commutative, so a chain of them gives
+  one answer; a reshape between the links (flat, then the input's shape)
+  keeps Grappler's arithmetic optimizer from merging the chain back into
+  one AddN.
+  """
+  total = tensors[0]
+  for k, t in enumerate(tensors[1:]):
+    shape = [-1] if k % 2 == 0 else tf.shape(tensors[0])
+    total = tf.add(tf.reshape(total, shape), tf.reshape(t, shape))
+  return tf.reshape(total, tf.shape(tensors[0]))
+
+
+def _reads(x, n):
+  """`n` reads of `x` whose gradients are added in a fixed order
+  (`ordered_sum`) rather than by one AddN."""
+  @tf.custom_gradient
+  def fan_out(x):
+    return [tf.identity(x) for _ in range(n)], lambda *dys: ordered_sum(dys)
+  return fan_out(x) if n > 2 else [x] * n
+
+
 def _check(u_hat, num_iters):
   if u_hat.shape.rank != 4:
     raise ValueError("dynamic_routing: u_hat must be [batch, in_caps, "
@@ -114,17 +145,19 @@ def dynamic_routing(u_hat, num_iters, stop_gradient=True, bias=None):
     eye = tf.eye(out_caps, dtype=u_hat.dtype)           # [o, o]
     flat = [-1, in_caps, out_caps * out_dim]
     u_live = tf.reshape(u_hat, flat, name="u_hat_flat")  # [b, i, o*d]
-    u_stopped = (tf.reshape(tf.stop_gradient(u_hat), flat, name="u_hat_stopped_flat")
-                 if stop_gradient else u_live)
+    if stop_gradient:   # the inner iterations' reads, then the last one's
+      u_stopped = tf.reshape(tf.stop_gradient(u_hat), flat, name="u_hat_stopped_flat")
+      reads = [u_stopped] * (2 * num_iters - 2) + [u_live]
+    else:
+      reads = _reads(u_live, 2 * num_iters - 1)
     b = tf.zeros_like(u_hat[..., 0])                    # [b, i, o]
     couplings = []
     for r in range(num_iters):
       with tf.compat.v1.variable_scope(f"iter_{r}"):
         last = r == num_iters - 1
-        u = u_live if last else u_stopped
         c = tf.nn.softmax(b, axis=2, name="c")          # [b, i, o]
         couplings.append(c)
-        pairs = tf.matmul(c, u, transpose_a=True)       # [b, o, o*d]
+        pairs = tf.matmul(c, reads[2 * r], transpose_a=True)  # [b, o, o*d]
         pairs = tf.reshape(pairs, [-1, out_caps, out_caps, out_dim])
         s = tf.reduce_sum(pairs * eye[:, :, None], axis=2, name="s")  # [b, o, d]
         if bias is not None:
@@ -133,5 +166,5 @@ def dynamic_routing(u_hat, num_iters, stop_gradient=True, bias=None):
         if not last:
           v_block = tf.reshape(v[:, :, :, None] * eye[:, None, :],
                                [-1, out_caps * out_dim, out_caps])  # [b, o*d, o]
-          b = tf.add(b, tf.matmul(u, v_block), name="b")  # [b, i, o]
+          b = tf.add(b, tf.matmul(reads[2 * r + 1], v_block), name="b")  # [b, i, o]
     return v, couplings
