@@ -64,14 +64,17 @@ def dft_multiply_adds(batch, h, w, c, k, n, stride, products=3):
   """Forward multiply-adds of `fast_conv._dft_conv`, (transforms, products):
   the input's width and height transforms, the kernel's, the inverse at the
   strided outputs; and the per-bin contraction (Gauss's 3 real products, 4 in
-  bfloat16)."""
+  bfloat16). The height's transform makes the products' operands at once:
+  3 real combinations of the DFT under Gauss, its 2 parts in bfloat16, and
+  the inverse takes as many blocks."""
   oh, ow = (h - k) // stride + 1, (w - k) // stride + 1
   nh, nw = stride * (oh - 1) + k, stride * (ow - 1) + k
   bw = nw // 2 + 1
+  blocks = 3 if products == 3 else 2
   x_width = 2 * h * bw * w * batch * c
-  x_height = 4 * nh * h * bw * batch * c
-  kernel = 2 * k * bw * k * c * n + 4 * nh * k * bw * c * n
-  inverse = 4 * oh * nh * bw * batch * n + 2 * oh * ow * bw * batch * n
+  x_height = 2 * blocks * nh * h * bw * batch * c
+  kernel = 2 * k * bw * k * c * n + 2 * blocks * nh * k * bw * c * n
+  inverse = 2 * oh * blocks * nh * bw * batch * n + 2 * oh * ow * bw * batch * n
   return (x_width + x_height, kernel, inverse), nh * bw * batch * c * n * products
 
 

@@ -186,17 +186,22 @@ def test_cli_profile_books_the_step_by_layer(tmp_path):
 
 def test_dft_multiply_adds_at_the_paper_shape():
   """PrimaryCaps by the DFT at batch 128 (docs/performance.md): the input's
-  width and height transforms 0.26 G + 0.50 G, the products 4.78 G (Gauss's
-  three), the inverse 0.17 G, the kernel's transform 0.55 G."""
+  width and height transforms 0.26 G + 0.75 G (the height's makes Gauss's
+  three operands), the products 4.78 G (Gauss's three), the inverse 0.25 G,
+  the kernel's transform 0.78 G; in bfloat16 two blocks and four products."""
   (x_tf, kernel, inverse), products = roofline.dft_multiply_adds(128, 20, 20, 256, 9,
                                                                  256, 2)
   assert (x_tf, products, inverse) == (2 * 20 * 10 * 20 * 128 * 256
-                                       + 4 * 19 * 20 * 10 * 128 * 256,
+                                       + 6 * 19 * 20 * 10 * 128 * 256,
                                        190 * 128 * 256 * 256 * 3,
-                                       4 * 6 * 19 * 10 * 128 * 256
+                                       6 * 6 * 19 * 10 * 128 * 256
                                        + 2 * 6 * 6 * 10 * 128 * 256)
   assert [round(v / 1e9, 2) for v in (x_tf, products, inverse, kernel)] == [
-      0.76, 4.78, 0.17, 0.55]
+      1.01, 4.78, 0.25, 0.78]
+  (x_tf, kernel, inverse), products = roofline.dft_multiply_adds(128, 20, 20, 256, 9,
+                                                                 256, 2, products=4)
+  assert [round(v / 1e9, 2) for v in (x_tf, products, inverse, kernel)] == [
+      0.76, 6.38, 0.17, 0.55]
 
 
 def test_step_costs_of_the_paper_model():

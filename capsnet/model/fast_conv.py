@@ -31,9 +31,11 @@ each layer's method instead (`parse_plan`). The methods:
   channels contracted per frequency bin as three real batched matmuls
   (Gauss's complex product), and only the strided outputs transformed back.
   Every transform is a small real matrix product, so the gradients are
-  ordinary matmul gradients. For PrimaryCaps (20x20, 9x9, stride 2, 256 to
-  256 channels, batch 128): 190 bins, 5.7 G multiply-adds a forward pass
-  against 24.5 G for the direct convolution. In bfloat16 the transforms run
+  ordinary matmul gradients; in float32 a forward pass is five matmuls, the
+  height's transforms taking Gauss's combinations with them. For
+  PrimaryCaps (20x20, 9x9, stride 2, 256 to 256 channels, batch 128): 190
+  bins, 6.0 G multiply-adds a forward pass against 24.5 G for the direct
+  convolution. In bfloat16 the transforms run
   in float32 and only the contraction in bfloat16, as four real products
   instead of three (`_dft_conv`).
 
@@ -381,31 +383,54 @@ def _dft_matrices(size, used, outputs, stride, real):
   return cos, msin, np.cos(back) * weight, np.sin(back) * weight
 
 
-def _left(m, t):
-  """`m @ t` over t's first axis: m `[a, b]`, t `[b, ...]` -> `[a, ...]`."""
-  shape = tf.shape(t)
-  out = tf.matmul(m, tf.reshape(t, [shape[0], -1]))
-  return tf.reshape(out, tf.concat([[m.shape[0]], shape[1:]], 0))
+# The products' operands as real combinations (a re + b im) of the DFTs, and
+# how the products add up to the result's (re, im): Gauss's three real
+# products for the complex product X conj(W) per bin (k1 = (Xr + Xi) Wr,
+# k2 = Xr (-Wi - Wr), k3 = Xi (Wr - Wi); re = k1 - k3, im = k1 + k2), or in
+# bfloat16 the parts themselves (four products, `_dft_conv`).
+GAUSS = ([(1, 1), (1, 0), (0, 1)], [(1, 0), (-1, -1), (1, -1)], [(1, 1), (0, 1), (-1, 0)])
+PARTS = ([(1, 0), (0, 1)], [(1, 0), (0, 1)], [(1, 0), (0, 1)])
 
 
-def _batched_left(m, t):
-  """`m @ t[i]` for each i: m `[a, b]`, t `[i, b, ...]` -> `[i, a, ...]`."""
-  shape = tf.shape(t)
-  out = tf.matmul(m, tf.reshape(t, [shape[0], shape[1], -1]))   # broadcast over i
-  return tf.reshape(out, tf.concat([shape[:1], [m.shape[0]], shape[2:]], 0))
-
-
-def _dft2(t, rows, cols):
-  """The 2-D transform of `t` `[h, w, ...]`: real DFT along w, full along h.
+def _dft2(t, rows, cols, mix, dtype):
+  """Real combinations of the 2-D DFT of `t` `[h, w, ...]` (real along w,
+  full along h) in two matmuls: the width's cos and -sin rows stacked, then
+  one matrix that takes the height's complex transform and the combinations
+  `mix` [(a, b), ...] (a re + b im) at once.
 
   Args:
     rows, cols: `_dft_matrices` of the height (full) and the width (real).
-  Returns: (re, im), each `[bins_h, bins_w, ...]`.
+  Returns: `[len(mix) * bins_h, bins_w * prod(...)]`, the combinations one
+    after another, each `[bins_h, bins_w, ...]` flattened after its first axis.
   """
   (hc, hs), (wc, ws) = rows[:2], cols[:2]
-  a, b = _batched_left(wc, t), _batched_left(ws, t)   # [h, bins_w, ...] re, im
-  # (hc + i hs)(a + i b)
-  return _left(hc, a) - _left(hs, b), _left(hc, b) + _left(hs, a)
+  h, w = t.shape[0], t.shape[1]
+  a_b = tf.matmul(tf.constant(np.concatenate([wc, ws]), dtype),
+                  tf.reshape(t, [h, w, -1]))                 # [h, (re|im, bins_w), ...]
+  # re = hc a - hs b, im = hs a + hc b, over the columns (h, re|im)
+  re, im = np.stack([hc, -hs], axis=2), np.stack([hs, hc], axis=2)
+  m = np.concatenate([ca * re + cb * im for ca, cb in mix]).reshape(-1, 2 * h)
+  return tf.matmul(tf.constant(m, dtype), tf.reshape(a_b, [2 * h, -1]))
+
+
+def _idft2(p, rows, cols, mix, dtype):
+  """The inverse at the strided outputs, real part, of `re = sum_q a_q p_q`,
+  `im = sum_q b_q p_q` for `mix` [(a_q, b_q), ...]: two matmuls, the height's
+  complex inverse applied to the combination at once, then the width's.
+
+  Args:
+    p: `[len(mix) * bins_h, bins_w * r]`, the blocks `p_q` one after another.
+  Returns: `[outputs_h, outputs_w, r]`.
+  """
+  (hic, his), (wic, wis) = rows[2:], cols[2:]
+  oh, bw = hic.shape[0], wic.shape[1]
+  # z_re = hic re - his im, z_im = his re + hic im; rows (output row, re|im)
+  zr = np.concatenate([ca * hic - cb * his for ca, cb in mix], axis=1)
+  zi = np.concatenate([ca * his + cb * hic for ca, cb in mix], axis=1)
+  m = np.stack([zr, zi], axis=1).reshape(2 * oh, -1)
+  z = tf.matmul(tf.constant(m, dtype), p)                     # [(oh, re|im), bins_w * r]
+  z = tf.reshape(z, [oh, 2 * bw, -1])
+  return tf.matmul(tf.constant(np.concatenate([wic, -wis], axis=1), dtype), z)
 
 
 def _dft_conv(x, w, stride):
@@ -416,7 +441,10 @@ def _dft_conv(x, w, stride):
   `X conj(W)`; with N that large nothing wraps round at the strided outputs.
   The complex product per bin, `(Xr + i Xi)(Wr - i Wi)`, is three real
   matmuls (Gauss): k1 = (Xr + Xi) Wr, k2 = Xr (-Wi - Wr), k3 = Xi (Wr - Wi);
-  re = k1 - k3, im = k1 + k2. In bfloat16 the transforms are float32 and
+  re = k1 - k3, im = k1 + k2. The operands come straight from the height's
+  transform (`_dft2` with the combinations `GAUSS`), all three products are
+  one batched matmul, and the height's inverse takes the sums with it
+  (`_idft2`). In bfloat16 the transforms are float32 and
   only the contraction bfloat16, as four products (Xr Wr + Xi Wi, Xi Wr -
   Xr Wi): TensorFlow's CPU matmul rounds a bfloat16 product's output to
   bfloat16 (there is no bfloat16 x bfloat16 -> float32 kernel), and Gauss's
@@ -430,17 +458,16 @@ def _dft_conv(x, w, stride):
   kh, kw, _, n = w.shape
   oh, ow = (h - kh) // stride + 1, (wd - kw) // stride + 1
   nh, nw = stride * (oh - 1) + kh, stride * (ow - 1) + kw
+  bins = nh * (nw // 2 + 1)
   compute = x.dtype
   exact = tf.float64 if compute == tf.float64 else tf.float32
-  mats = lambda *a: [tf.constant(m, exact) for m in _dft_matrices(*a)]
-  rows, cols = mats(h, nh, oh, stride, False), mats(wd, nw, ow, stride, True)
-  krows, kcols = mats(kh, nh, oh, stride, False), mats(kw, nw, ow, stride, True)
-  bins = nh * (nw // 2 + 1)
+  rows, cols = _dft_matrices(h, nh, oh, stride, False), _dft_matrices(wd, nw, ow, stride, True)
+  krows, kcols = _dft_matrices(kh, nh, oh, stride, False), _dft_matrices(kw, nw, ow, stride, True)
+  x_mix, w_mix, y_mix = PARTS if compute == tf.bfloat16 else GAUSS
   xt = tf.transpose(tf.cast(x, exact), [1, 2, 0, 3])        # [h, w, b, c]
-  xr, xi = _dft2(xt, rows, cols)                             # [bh, bw, b, c]
-  wr, wi = _dft2(tf.cast(w, exact), krows, kcols)            # [bh, bw, c, n]
-  flat = lambda t, last: tf.reshape(t, [bins, -1, last])
-  xr, xi, wr, wi = flat(xr, c), flat(xi, c), flat(wr, n), flat(wi, n)
+  xs = tf.reshape(_dft2(xt, rows, cols, x_mix, exact), [len(x_mix), bins, -1, c])
+  ws = tf.reshape(_dft2(tf.cast(w, exact), krows, kcols, w_mix, exact),
+                  [len(w_mix), bins, c, n])
   with tf.name_scope("products"):   # (the benchmark's roofline books them apart)
     if compute == tf.bfloat16:
       # Four products, not Gauss's three: their bfloat16 outputs are rounded,
@@ -448,17 +475,10 @@ def _dft_conv(x, w, stride):
       # docs/performance.md).
       low = lambda t: tf.cast(t, compute)
       mm = lambda a, b: tf.cast(tf.matmul(low(a), low(b)), exact)
-      yr, yi = mm(xr, wr) + mm(xi, wi), mm(xi, wr) - mm(xr, wi)
+      (xr, xi), (wr, wi) = tf.unstack(xs), tf.unstack(ws)
+      y = tf.stack([mm(xr, wr) + mm(xi, wi), mm(xi, wr) - mm(xr, wi)])
     else:
-      k1 = tf.matmul(xr + xi, wr)
-      k2 = tf.matmul(xr, -wi - wr)
-      k3 = tf.matmul(xi, wr - wi)
-      yr, yi = k1 - k3, k1 + k2
-  yr = tf.reshape(yr, [nh, nw // 2 + 1, -1, n])             # [bh, bw, b, n]
-  yi = tf.reshape(yi, [nh, nw // 2 + 1, -1, n])
-  # Back along the height (complex, at the strided rows), then the width (real part).
-  hic, his = rows[2], rows[3]
-  zr, zi = _left(hic, yr) - _left(his, yi), _left(hic, yi) + _left(his, yr)  # [oh, bw, b, n]
-  wic, wis = cols[2], cols[3]
-  y = _batched_left(wic, zr) - _batched_left(wis, zi)        # [oh, ow, b, n]
+      y = tf.matmul(xs, ws)                                  # k1, k2, k3: [3, bins, b, n]
+  y = _idft2(tf.reshape(y, [len(y_mix) * nh, -1]), rows, cols, y_mix, exact)
+  y = tf.reshape(y, [oh, ow, -1, n])                          # [oh, ow, b, n]
   return tf.cast(tf.transpose(y, [2, 0, 1, 3]), compute)
