@@ -123,7 +123,8 @@ def dynamic_routing(u_hat, num_iters, stop_gradient=True, bias=None):
   unchanged, but no gradient flows through the coupling coefficients, so the
   loss reaches `u_hat` only through the last weighted sum
   `s = sum_i c_ij u_hat_j|i` with `c` acting as a constant. With
-  `stop_gradient=False` every iteration reads the live `u_hat`.
+  `stop_gradient=False` every iteration reads the live `u_hat` (the 2r - 1
+  reads' gradients added in a fixed order, `ordered_sum`).
 
   Args:
     u_hat: `[batch, in_caps, out_caps, out_dim]` prediction vectors.
