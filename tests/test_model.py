@@ -288,3 +288,23 @@ def test_precision_policy_is_decided_once_from_the_config():
                             "conv2d")
     assert (x.dtype, u.dtype) == (tf.bfloat16, tf.float32)
     assert {v.dtype.base_dtype for v in tf.compat.v1.global_variables()} == {tf.float32}
+
+
+def test_tower_gradients_are_averaged_in_tower_order():
+  """Three towers' gradients: the mean is ((g0 + g1) + g2) / 3 to the bit,
+  added by binary adds (an AddN of three or more sums in an order that
+  follows thread timing on the CPU; routing.ordered_sum)."""
+  rng = np.random.RandomState(0)
+  grads = [rng.randn(4, 3) for _ in range(3)]
+  with tf.Graph().as_default(), tf.compat.v1.Session() as sess:
+    var = tf.Variable(np.zeros((4, 3)))
+    fed = [tf.compat.v1.placeholder(tf.float64, [4, 3]) for _ in grads]
+    ((mean, got_var),) = network.average_gradients([[(g, var)] for g in fed])
+    meta = tf.compat.v1.RunMetadata()
+    value = sess.run(mean, dict(zip(fed, grads)), run_metadata=meta,
+                     options=tf.compat.v1.RunOptions(output_partition_graphs=True))
+  assert got_var is var
+  # (Grappler turns the division by 3 into a product with 1/3.)
+  np.testing.assert_array_equal(value, ((grads[0] + grads[1]) + grads[2]) * (1.0 / 3.0))
+  ops = [n.op for g in meta.partition_graphs for n in g.node]
+  assert "AddN" not in ops and ops.count("AddV2") + ops.count("Add") == 2
