@@ -52,6 +52,23 @@ def test_plan_is_the_fastest_method_and_a_second_start_reads_the_cache(tmp_path)
   assert {c[3] for c in calls} == {False} and len(json.load(open(path))["entries"]) == 4
 
 
+def test_a_plan_timed_with_other_code_for_the_methods_is_measured_again(tmp_path,
+                                                                       monkeypatch):
+  """The cache key holds a digest of fast_conv's source: after a change to
+  the methods (a faster DFT, say) a cached plan is not trusted."""
+  path, calls = str(tmp_path / "plans.json"), []
+  timer = fake_timer({"conv1": "patch_gemm", "primary_caps": "folded"}, calls)
+  planner.plan_convolutions(SMALL_CFG, 32, True, path=path, log=print, timer=timer)
+  assert len(planner.methods_digest()) == 12
+  monkeypatch.setattr(planner, "methods_digest", lambda: "0123456789ab")
+  calls.clear()
+  timer = fake_timer({"conv1": "patch_gemm", "primary_caps": "dft"}, calls)
+  plan, report = planner.plan_convolutions(SMALL_CFG, 32, True, path=path, log=print,
+                                           timer=timer)
+  assert plan == "conv1:patch_gemm,primary_caps:dft" and not report["conv1"]["cached"]
+  assert len(calls) == 7 and len(json.load(open(path))["entries"]) == 4
+
+
 def test_real_timer_plans_a_small_model(tmp_path):
   plan, report = planner.plan_convolutions(SMALL_CFG, 4, True, path=str(tmp_path / "p.json"))
   methods = fast_conv.parse_plan(plan)
