@@ -130,8 +130,8 @@ def build_graph(cfg, s, role, devices, fixed_batch):
         images, labels, cfg, opt, devices, targets=targets,
         variable_device=distributed.variable_device(role.info), heads=task.heads)
     train_op = opt.apply_gradients(grads, state.global_step)
-    loss = tf.add_n([o.loss for o in outs]) / float(len(outs))
-    accuracy = tf.add_n([o.accuracy for o in outs]) / float(len(outs))
+    loss = network.tower_mean([o.loss for o in outs])
+    accuracy = network.tower_mean([o.accuracy for o in outs])
     summary = network.training_summaries(outs[0], images, lr)
     ev = evaluation.build(cfg, s.eval_batch_size, devices[0], task)
     diag = {}

@@ -364,9 +364,14 @@ def tower_gradients(images, labels, cfg, optimizer, devices, variable_device=Non
     return average_gradients(all_grads), outputs
 
 
+def tower_mean(tensors):
+  """The mean of one tensor a tower, added in tower order
+  (`routing.ordered_sum`: the same bits in every run)."""
+  return routing.ordered_sum(tensors) / float(len(tensors))
+
+
 def average_gradients(tower_grads):
-  """Averages gradients over towers, adding them in tower order
-  (`routing.ordered_sum`: the same bits in every run).
+  """Averages gradients over towers (`tower_mean`).
 
   Args:
     tower_grads: one list of (gradient, variable) pairs per tower, all with
@@ -376,7 +381,7 @@ def average_gradients(tower_grads):
   averaged = []
   for pairs in zip(*tower_grads):
     grads = [g for g, _ in pairs if g is not None]
-    mean = routing.ordered_sum(grads) / float(len(grads)) if grads else None
+    mean = tower_mean(grads) if grads else None
     averaged.append((mean, pairs[0][1]))
   return averaged
 
