@@ -241,6 +241,15 @@ TIMING = ("wall_s", "images_per_sec")
 FLOAT64_WEIGHTS_SHA256 = "b639933f89df2108b8c4b1320b264c5efba71713fbf4e476e33e18a0523a1f86"
 
 
+def run_and_list_nodes(sess, fetches, feed_dict=None):
+  """`sess.run(fetches)` and the nodes of the graph that ran (after
+  Grappler, every partition): (value, [NodeDef])."""
+  meta = tf.compat.v1.RunMetadata()
+  value = sess.run(fetches, feed_dict, run_metadata=meta,
+                   options=tf.compat.v1.RunOptions(output_partition_graphs=True))
+  return value, [n for g in meta.partition_graphs for n in g.node]
+
+
 def weights_sha256(ckpt):
   """sha256 over a checkpoint's model variables (capsnet/, no Adam slots, no
   moving averages), in name order: the end-to-end regression value."""

@@ -14,6 +14,7 @@ import tensorflow as tf
 from capsnet.model import losses
 from capsnet.model import network
 from capsnet.model import routing
+from conftest import run_and_list_nodes
 
 GRAD_VARS = ("capsnet/digit_caps/weights", "capsnet/primary_caps/weights",
              "capsnet/conv1/weights")
@@ -190,10 +191,7 @@ def test_routing_reads_are_not_summed_by_an_add_n(tiny_cfg):
     out = network.forward(images, tf.constant([1, 2, 3]), cfg, training=True)
     step = tf.compat.v1.train.AdamOptimizer(1e-3).minimize(out.loss)
     sess.run(tf.compat.v1.global_variables_initializer())
-    meta = tf.compat.v1.RunMetadata()
-    sess.run(step, options=tf.compat.v1.RunOptions(output_partition_graphs=True),
-             run_metadata=meta)
-  nodes = [n for g in meta.partition_graphs for n in g.node]
+    _, nodes = run_and_list_nodes(sess, step)
   reads = [n.name for n in nodes if "/routing/" in n.name and "MatMul" in n.op]
   assert len(reads) >= 5      # the routing's matmuls and their gradients ran
   wide = [n.name for n in nodes if n.op == "AddN"
