@@ -16,8 +16,10 @@ small files (config.json, metrics.jsonl, diagnostics.jsonl, host.json,
 along_results.json, never a checkpoint) are copied to --publish
 (study/along) as it is scored; committing them is the user's.
 
-The report (results.md, results.json and along.png in --out, and in
---publish unless it is --out) is computed from the run files alone: for
+The report (results.md, results.json and along.png in --out for its
+blocks, and in --publish, unless it is --out, for every block published
+there, so that a block's command leaves the published report whole) is
+computed from the run files alone: for
 each pair, measure and registered epoch the paired difference over the
 blocks with its 95% t interval, a call where the interval excludes zero,
 and a reversal where a pair and measure is called on one side at an
@@ -162,6 +164,24 @@ def _grad_share(diags, step):
   diagnostic, `digit_caps/weights`) in its last row at or before `step`."""
   before = [d for d in diags if d["step"] <= step and "digit_caps/weights" in d]
   return before[-1]["digit_caps/weights"] if before else None
+
+
+def published_seeds(folder):
+  """The seeds of the protocol's run folders (<variant>_seed<k>/) in `folder`."""
+  seeds = set()
+  for name in os.listdir(folder) if os.path.isdir(folder) else ():
+    variant, _, seed = name.rpartition("_seed")
+    if variant in VARIANTS and seed.isdigit():
+      seeds.add(int(seed))
+  return sorted(seeds)
+
+
+def with_published(found, publish, kept):
+  """`found` (this command's runs) beside the runs of other seeds in `publish`."""
+  merged = collect(publish, published_seeds(publish), kept)
+  for variant, per in found.items():
+    merged.setdefault(variant, {}).update(per)
+  return merged
 
 
 def collect(out, seeds, kept):
@@ -339,8 +359,8 @@ def main(argv):
                f"{seeds.start}-{seeds.stop - 1} (expected <variant>_seed<k>/ folders "
                f"with {RESULTS_FILE}: {', '.join(VARIANTS)})")
     text = report(found, kept, FLAGS.out)
-    if publish:
-      report(found, kept, publish)
+    if publish:    # every block published there, not only this command's
+      report(with_published(found, publish, kept), kept, publish)
   except runs.RunError as e:
     sys.exit(f"along: error: {e}")
   print(text)

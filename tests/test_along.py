@@ -123,6 +123,28 @@ def test_report_from_the_files_and_again_the_same_bytes(blocks, tmp_path):
   assert {p: (pub / p).read_bytes() for p in before} == before
 
 
+@pytest.mark.integration
+def test_a_blocks_command_publishes_the_report_of_every_published_block(blocks, tmp_path):
+  # Blocks 0-4 published; this command's folder holds block 4 alone (a
+  # sitting's block run in its own folder).
+  import shutil
+  pub, out = tmp_path / "pub", tmp_path / "block4"
+  shutil.copytree(blocks, pub)
+  for variant in along.VARIANTS:
+    shutil.copytree(os.path.join(blocks, along.run_name(variant, 4)),
+                    out / along.run_name(variant, 4))
+  os.makedirs(pub / "notes")          # a folder that is not a run is passed over
+  proc = _along("--first_seed=4", "--seeds=1", f"--out={out}", "--train=false",
+                f"--publish={pub}")
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert "1 block(s) (seeds 4): **interim**" in (out / "results.md").read_text()
+  assert json.loads((pub / "results.json").read_text())["blocks"] == [0, 1, 2, 3, 4]
+  whole = {p: (pub / p).read_bytes() for p in ("results.md", "results.json", "along.png")}
+  proc = _along("--seeds=5", f"--out={pub}", "--train=false", f"--publish={pub}")
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert {p: (pub / p).read_bytes() for p in whole} == whole
+
+
 def test_fewer_blocks_are_interim(blocks):
   found = along.collect(blocks, range(3), KEPT)
   table, reversals = along.compare(found, KEPT)
