@@ -19,12 +19,12 @@ along_results.json, never a checkpoint) are copied to --publish
 The report (results.md, results.json and along.png in --out for its
 blocks, and in --publish, unless it is --out, for every block published
 there, so that a block's command leaves the published report whole) is
-computed from the run files alone: for
-each pair, measure and registered epoch the paired difference over the
-blocks with its 95% t interval, a call where the interval excludes zero,
-and a reversal where a pair and measure is called on one side at an
-earlier registered epoch and on the other at a later one. Publishing the
-same files again writes the same bytes.
+computed from the run files alone: for each pair, measure and registered
+epoch the paired difference over the blocks with its 95% t interval, a
+call where the interval excludes zero, and a reversal where a pair and
+measure is called on one side at an earlier registered epoch and on the
+other at a later one. Publishing the same files again writes the same
+bytes.
 """
 import json
 import os
@@ -177,8 +177,10 @@ def published_seeds(folder):
 
 
 def with_published(found, publish, kept):
-  """`found` (this command's runs) beside the runs of other seeds in `publish`."""
-  merged = collect(publish, published_seeds(publish), kept)
+  """`found` (this command's runs) beside the runs of the other seeds in
+  `publish`: a seed's block comes whole from one folder, never mixed."""
+  here = {seed for per in found.values() for seed in per}
+  merged = collect(publish, [s for s in published_seeds(publish) if s not in here], kept)
   for variant, per in found.items():
     merged.setdefault(variant, {}).update(per)
   return merged
@@ -289,14 +291,18 @@ def plot(table, kept, path):
   plt, _ = study_report.figure()
   fig, axes = plt.subplots(1, len(MEASURES), figsize=(4.2 * len(MEASURES), 3.8))
   for ax, (key, what, _) in zip(axes, MEASURES):
+    plotted = False
     for a, b, name in PAIRS:
       per = table[(a, b)][key]
       xs = [e for e in kept if e in per]
+      plotted = plotted or bool(xs)
       line, = ax.plot(xs, [per[e]["mean"] for e in xs], marker="o", label=name)
       band = [e for e in xs if per[e]["lo"] is not None]
       ax.fill_between(band, [per[e]["lo"] for e in band], [per[e]["hi"] for e in band],
                       color=line.get_color(), alpha=0.2, linewidth=0)
     ax.axhline(0, color="black", linewidth=0.8)
+    if not plotted:    # no complete block yet: the axes alone, on the epochs
+      ax.set_xlim(min(kept) / 1.2, max(kept) * 1.2)
     ax.set_xscale("log")
     ax.set_xticks(list(kept))
     ax.set_xticklabels([str(e) for e in kept])

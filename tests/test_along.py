@@ -143,6 +143,14 @@ def test_a_blocks_command_publishes_the_report_of_every_published_block(blocks, 
   proc = _along("--seeds=5", f"--out={pub}", "--train=false", f"--publish={pub}")
   assert proc.returncode == 0, proc.stderr[-2000:]
   assert {p: (pub / p).read_bytes() for p in whole} == whole
+  # This command's block 4 without its r1_recon: the published r1_recon of
+  # seed 4 (another attempt's) does not complete it; a block is never mixed.
+  shutil.rmtree(out / along.run_name("r1_recon", 4))
+  proc = _along("--first_seed=4", "--seeds=1", f"--out={out}", "--train=false",
+                f"--publish={pub}")
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  payload = json.loads((pub / "results.json").read_text())
+  assert payload["blocks"] == [0, 1, 2, 3] and payload["incomplete_blocks"] == [4]
 
 
 def test_fewer_blocks_are_interim(blocks):
