@@ -4,6 +4,7 @@ refusals; the end-to-end block on a small model is the slow test."""
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 
@@ -127,7 +128,6 @@ def test_report_from_the_files_and_again_the_same_bytes(blocks, tmp_path):
 def test_a_blocks_command_publishes_the_report_of_every_published_block(blocks, tmp_path):
   # Blocks 0-4 published; this command's folder holds block 4 alone (a
   # sitting's block run in its own folder).
-  import shutil
   pub, out = tmp_path / "pub", tmp_path / "block4"
   shutil.copytree(blocks, pub)
   for variant in along.VARIANTS:
@@ -213,7 +213,6 @@ def test_a_block_end_to_end_on_a_small_model(tmp_path):
 def test_an_incomplete_block_is_left_out(blocks, tmp_path):
   # Block 4 without its r3_recon_nostop run (a sitting that ended first), and
   # block 3 with one registered epoch not scored.
-  import shutil
   shutil.rmtree(os.path.join(blocks, along.run_name("r3_recon_nostop", 4)))
   path = os.path.join(blocks, along.run_name("r1_recon", 3), along.RESULTS_FILE)
   results = json.load(open(path))
