@@ -114,10 +114,11 @@ def score(folder, epoch, log_path):
   return entry
 
 
-def run_block(seed, settings, publish, extra=()):
-  """Trains (or resumes) and scores one seed's three runs, publishing each."""
+def run_block(out, seed, settings, publish, extra=()):
+  """Trains (or resumes) in `out` and scores one seed's three runs,
+  publishing each."""
   for variant, spec in VARIANTS.items():
-    folder = os.path.join(FLAGS.out, run_name(variant, seed))
+    folder = os.path.join(out, run_name(variant, seed))
     if not study_report.is_complete(folder, settings["epochs"]):
       study.run_one(spec, seed, folder, settings,
                     [f"--keep_epochs={','.join(str(e) for e in settings['kept'])}",
@@ -358,7 +359,7 @@ def main(argv):
                   "val_every": 0, "kept": kept}
       os.makedirs(FLAGS.out, exist_ok=True)
       for seed in seeds:
-        run_block(seed, settings, publish, extra)
+        run_block(FLAGS.out, seed, settings, publish, extra)
     found = collect(FLAGS.out, seeds, kept)
     if not found:
       sys.exit(f"along: error: {FLAGS.out}: no scored run of the protocol for seeds "

@@ -3,15 +3,44 @@ committed run files, and the README's table is the answer's table: a run
 published without its report, or a report without the README, fails here."""
 import json
 import os
+import subprocess
 
 import pytest
 
 from capsnet import along
 from capsnet import answer
+from capsnet import confirm
+from capsnet.running import runs
 from conftest import ROOT
 
 STUDY = os.path.join(ROOT, "study")
 ALONG = os.path.join(STUDY, "along")
+CONFIRM = os.path.join(STUDY, "confirm")
+
+
+# A plot is compared by its pixels: the same figures drawn by another release
+# of matplotlib or numpy can move a few anti-aliased pixels (seen: 12 of
+# 638,400 in study/along/along.png, one band's edge), while a changed figure
+# moves a marker, a line or a band, hundreds of pixels or more.
+PIXELS_ALLOWED = 0.0005
+
+
+def assert_same_file(made, committed, stale):
+  """`made` (a path) is the committed file `committed`: byte for byte, or
+  for a PNG, the same picture but for PIXELS_ALLOWED of its pixels."""
+  with open(made, "rb") as f:
+    ours = f.read()
+  with open(committed, "rb") as f:
+    theirs = f.read()
+  if not committed.endswith(".png") or ours == theirs:
+    assert ours == theirs, stale
+    return
+  import io
+  from matplotlib import image
+  a, b = image.imread(io.BytesIO(ours)), image.imread(io.BytesIO(theirs))
+  assert a.shape == b.shape, stale
+  moved = (a != b).any(axis=-1).mean()
+  assert moved <= PIXELS_ALLOWED, f"{stale} ({moved:.2%} of its pixels differ)"
 
 
 def table_rows(text, header_start):
@@ -32,10 +61,41 @@ def test_along_report_is_the_committed_runs_report(tmp_path):
   found = along.collect(ALONG, range(5), along.KEPT)
   along.report(found, along.KEPT, str(tmp_path))
   for name in ("results.md", "results.json", "along.png"):
-    with open(os.path.join(ALONG, name), "rb") as f:
-      assert (tmp_path / name).read_bytes() == f.read(), (
-          f"study/along/{name} is stale: python -m capsnet.along --seeds=5 "
-          "--out=study/along --train=false")
+    assert_same_file(str(tmp_path / name), os.path.join(ALONG, name), (
+        f"study/along/{name} is stale: python -m capsnet.along --seeds=5 "
+        "--out=study/along --train=false"))
+
+
+def test_confirm_report_is_the_committed_runs_report(tmp_path):
+  confirm.report(CONFIRM, along.KEPT, confirm.PILOT, str(tmp_path))
+  for name in ("results.md", "results.json", "confirm.png"):
+    assert_same_file(str(tmp_path / name), os.path.join(CONFIRM, name), (
+        f"study/confirm/{name} is stale: python -m capsnet.confirm --train=false "
+        "--out=study/confirm"))
+
+
+def _registration_commit():
+  """The commit that added docs/confirm.md, or None without git's history."""
+  try:
+    out = subprocess.run(["git", "log", "--diff-filter=A", "--format=%H", "--",
+                          "docs/confirm.md"], cwd=ROOT, capture_output=True, text=True,
+                         check=True).stdout.split()
+  except (OSError, subprocess.CalledProcessError):
+    return None
+  return out[-1] if out else None
+
+
+def test_every_confirmatory_run_ran_fp32_from_the_registration_commit():
+  registered = _registration_commit()
+  if registered is None:
+    pytest.skip("no git history of docs/confirm.md (a checkout without it)")
+  for name in sorted(os.listdir(CONFIRM)):
+    folder = runs.RunFolder(os.path.join(CONFIRM, name))
+    if not os.path.isdir(folder.path):
+      continue
+    started = folder.read_json(runs.HOST_FILE)["started"]
+    assert started["commit"] == registered, f"study/confirm/{name}: {started['commit']}"
+    assert folder.config()["model"]["precision"] == "fp32", f"study/confirm/{name}"
 
 
 @pytest.mark.skipif(not os.path.isfile(os.path.join(STUDY, "answer.md")),

@@ -19,9 +19,11 @@ KERNEL_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni",
 
 
 def _cpuinfo(path="/proc/cpuinfo"):
-  """(model name, set of flags) of the first CPU in /proc/cpuinfo; the
-  platform's processor name and no flags where there is no such file."""
+  """(model name, set of flags, "<vendor> family F model M" or None) of the
+  first CPU in /proc/cpuinfo; the platform's processor name, no flags and
+  None where there is no such file."""
   model, found = platform.processor() or platform.machine(), set()
+  ident = {}
   if os.path.exists(path):
     with open(path) as f:
       for line in f:
@@ -29,10 +31,14 @@ def _cpuinfo(path="/proc/cpuinfo"):
         key = key.strip()
         if key == "model name" and model in ("", platform.machine(), platform.processor()):
           model = value.strip()
+        elif key in ("vendor_id", "cpu family", "model"):
+          ident.setdefault(key, value.strip())
         elif key == "flags":
           found = set(value.split())
           break
-  return model, found
+  cpu_id = (f"{ident['vendor_id']} family {ident['cpu family']} model {ident['model']}"
+            if len(ident) == 3 else None)
+  return model, found, cpu_id
 
 
 def _version(package):
@@ -44,12 +50,13 @@ def _version(package):
 
 @functools.lru_cache(maxsize=None)
 def describe():
-  """{"cpu": model name, "cores": logical CPUs, "flags": the KERNEL_FLAGS the
+  """{"cpu": model name, "cpu_id": "<vendor> family F model M" (None where
+  /proc/cpuinfo does not say), "cores": logical CPUs, "flags": the KERNEL_FLAGS the
   CPU has, "tensorflow": the installed version, "onednn": TF_ENABLE_ONEDNN_OPTS
   as the project's programs import TensorFlow with it (`startup`: the user's
   value, else "1")}."""
-  model, found = _cpuinfo()
-  return {"cpu": model, "cores": os.cpu_count(),
+  model, found, cpu_id = _cpuinfo()
+  return {"cpu": model, "cpu_id": cpu_id, "cores": os.cpu_count(),
           "flags": [f for f in KERNEL_FLAGS if f in found],
           "tensorflow": _version("tensorflow"),
           "onednn": os.environ.get("TF_ENABLE_ONEDNN_OPTS", "1")}

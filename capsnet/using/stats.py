@@ -105,3 +105,92 @@ def verdict(d, unit="points", spec="+.3f", within=False):
   if within:
     return f"within {interval}"
   return f"not measurable at this budget: the interval is {interval}"
+
+
+def t_p_value(d):
+  """The two-sided p of the paired t test of a `paired_difference` result
+  (None for fewer than two pairs; 0 when the differences are all equal and
+  not zero, 1 when they are all zero)."""
+  if d is None or d["n"] < 2:
+    return None
+  if d["sd"] == 0:
+    return 1.0 if d["mean"] == 0 else 0.0
+  t = d["mean"] / (d["sd"] / math.sqrt(d["n"]))
+  return 1 - t_two_sided_coverage(t, d["n"] - 1)
+
+
+def holm(p_values, alpha=0.05):
+  """Holm's step-down rule over `p_values` (a list; None: not testable, never
+  rejected): which hypotheses are rejected at family-wise level `alpha`, and
+  the Holm-adjusted p values, each in the order given."""
+  order = sorted((p, k) for k, p in enumerate(p_values) if p is not None)
+  m = len(order)
+  rejected, adjusted = [False] * len(p_values), [None] * len(p_values)
+  running, stopped = 0.0, False
+  for rank, (p, k) in enumerate(order):
+    running = max(running, min(1.0, (m - rank) * p))
+    adjusted[k] = running
+    stopped = stopped or p > alpha / (m - rank)
+    rejected[k] = not stopped
+  return rejected, adjusted
+
+
+def _normal_cdf(x):
+  return 0.5 * math.erfc(-x / math.sqrt(2))
+
+
+def paired_t_power(delta, sd, n, alpha=0.05, points=20000):
+  """The power of the two-sided paired t test at level `alpha` (its 1 - alpha
+  interval excludes zero) with `n` pairs whose differences have mean `delta`
+  and standard deviation `sd`.
+
+  The statistic is noncentral t: T = (Z + nc) / S with nc = delta sqrt(n) / sd,
+  S = sqrt(V / (n - 1)), V chi-squared with n - 1 degrees of freedom; the
+  power, E_S[P(Z > t S - nc) + P(Z < -t S - nc)] with t the two-sided
+  critical value, is integrated over S's density by the midpoint rule.
+  """
+  if n < 2 or sd <= 0:
+    raise ValueError(f"paired_t_power: needs n >= 2 and sd > 0, got n={n!r}, sd={sd!r}")
+  df = n - 1
+  t = t_quantile(1 - alpha / 2, df)
+  nc = delta * math.sqrt(n) / sd
+  top = math.sqrt((df + 12 * math.sqrt(2 * df) + 40) / df)   # S beyond it: no mass
+  width = top / points
+  log_norm = math.log(2 * df) - (df / 2) * math.log(2) - math.lgamma(df / 2)
+  power = 0.0
+  for k in range(points):
+    s = (k + 0.5) * width
+    # density of S: 2 df s f_chi2(df s^2)
+    log_f = log_norm + math.log(s) + (df / 2 - 1) * math.log(df * s * s) - df * s * s / 2
+    power += math.exp(log_f) * (1 - _normal_cdf(t * s - nc) + _normal_cdf(-t * s - nc))
+  return power * width
+
+
+def chi2_cdf(x, df):
+  """P(V <= x) for V chi-squared with `df` degrees of freedom (the
+  regularised lower incomplete gamma function, by its series)."""
+  if x <= 0:
+    return 0.0
+  a, z = df / 2, x / 2
+  term = total = 1 / a
+  k = 0
+  while term > total * 1e-16:
+    k += 1
+    term *= z / (a + k)
+    total += term
+  return math.exp(a * math.log(z) - z - math.lgamma(a)) * total
+
+
+def sd_interval(sd, df, level=0.95):
+  """The `level` confidence interval of a normal standard deviation whose
+  estimate `sd` has `df` degrees of freedom: sd sqrt(df / chi2 quantiles)."""
+  def quantile(p):
+    lo, hi = 0.0, 1.0
+    while chi2_cdf(hi, df) < p:
+      hi *= 2
+    for _ in range(200):
+      mid = (lo + hi) / 2
+      lo, hi = (mid, hi) if chi2_cdf(mid, df) < p else (lo, mid)
+    return (lo + hi) / 2
+  tail = (1 - level) / 2
+  return sd * math.sqrt(df / quantile(1 - tail)), sd * math.sqrt(df / quantile(tail))

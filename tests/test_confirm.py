@@ -1,0 +1,249 @@
+"""The confirmatory protocol (docs/confirm.md): the power computation that
+fixed its sixteen blocks, the registered rule (primary, equivalence, Holm's
+secondary pair and the claim's verdict) on made-up blocks, the report from
+run files, interim while blocks are missing, and its refusals."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from capsnet import along
+from capsnet import confirm
+from capsnet.running import host
+from capsnet.using import stats
+from conftest import ROOT, SMALL, needs_mnist
+
+KEPT = along.KEPT
+SEEDS = confirm.SEEDS
+WOBBLE = [0.03, -0.02, 0.01, -0.04, 0.02, 0.0, -0.01, 0.04,
+          -0.03, 0.02, -0.02, 0.01, 0.03, -0.01, 0.0, -0.03]   # by block; mean 0
+
+
+def errors(r1, r3, nostop, spread=1.0):
+  """{variant: {seed: test error at epoch 10}}: each variant's mean plus the
+  block's wobble times `spread` (the stop's pair moves with its own wobble)."""
+  out = {"r1_recon": {}, "r3_recon": {}, "r3_recon_nostop": {}}
+  for k, seed in enumerate(SEEDS):
+    w = WOBBLE[k] * spread
+    out["r1_recon"][seed] = 0.6 + r1 + w
+    out["r3_recon"][seed] = 0.6 + r3
+    out["r3_recon_nostop"][seed] = 0.6 + nostop + WOBBLE[(k + 5) % 16] * spread
+  return out
+
+
+def found_of(errs, seeds=SEEDS):
+  """`along.collect`'s shape: {variant: {seed: {epoch: {measure: value}}}}."""
+  return {v: {s: {e: {"test_error": x + 0.1 * (10 - e), "test_margin_loss": 0.01,
+                      "affine_error": 2.0, "train_loss": 0.01}
+                  for e in KEPT} for s, x in per.items() if s in seeds}
+          for v, per in errs.items()}
+
+
+def test_power_matches_published_values_and_a_simulation():
+  # G*Power, one-sample t, d = 0.5, two-sided 0.05, n = 34: power 0.8078.
+  assert stats.paired_t_power(0.5, 1.0, 34) == pytest.approx(0.8078, abs=5e-4)
+  assert stats.paired_t_power(0.0, 1.0, 10) == pytest.approx(0.05, abs=1e-4)
+  rng = np.random.RandomState(0)
+  x = rng.normal(0.06, 0.0785, (100000, 16))
+  t = x.mean(axis=1) / (x.std(axis=1, ddof=1) / 4)
+  simulated = np.mean(np.abs(t) > stats.t_quantile(0.975, 15))
+  assert stats.paired_t_power(0.06, 0.0785, 16) == pytest.approx(simulated, abs=0.005)
+  # chi-squared with 4 degrees of freedom: 9.488 is its 0.95 quantile.
+  assert stats.chi2_cdf(9.4877, 4) == pytest.approx(0.95, abs=1e-4)
+  lo, hi = stats.sd_interval(1.0, 4)
+  assert (lo, hi) == (pytest.approx(math.sqrt(4 / 11.1433), abs=1e-4),
+                      pytest.approx(math.sqrt(4 / 0.48442), abs=1e-4))
+
+
+def test_holm_steps_down_and_stops_at_the_first_kept_hypothesis():
+  assert stats.holm([0.01, 0.04]) == ([True, True], [0.02, 0.04])
+  assert stats.holm([0.03, 0.04]) == ([False, False], [0.06, 0.06])   # each < 0.05 alone
+  assert stats.holm([0.2, 0.001, None]) == ([False, True, False], [0.2, 0.002, None])
+  d = stats.paired_difference({1: 0, 2: 0, 3: 0}, {1: 1.0, 2: 2.0, 3: 4.0})
+  t = d["mean"] / (d["sd"] / math.sqrt(3))
+  assert stats.t_p_value(d) == pytest.approx(1 - stats.t_two_sided_coverage(t, 2))
+
+
+def test_the_registered_power_from_the_committed_pilot():
+  _, pilot = confirm._complete(along.collect(confirm.PILOT, confirm.PILOT_SEEDS, KEPT), KEPT)
+  lines = confirm.power_lines(pilot, KEPT)
+  assert lines[0].endswith("mean +0.072, sd 0.0785")
+  assert lines[1].startswith("the smallest n with power >= 0.80 to call 0.06 points "
+                             "(two-sided 0.05): 16 (power 0.815; n - 1: 0.785)")
+  assert len(SEEDS) == 16 and SEEDS[0] == 5 and SEEDS[-1] == 20
+
+
+@pytest.mark.parametrize("means, claim", [
+    ((0.05, 0.0, 0.10), "supported"),        # r3 < r1 < r3 nostop
+    ((-0.05, 0.0, 0.10), "contradicted"),    # r3 - r1 called positive
+    ((0.05, 0.0, 0.0), "contradicted"),      # r3 nostop - r1 called negative
+    ((0.0, 0.0, 0.0), "not settled")])
+def test_the_claims_verdict(means, claim):
+  """`means`: the test error of r1_recon, r3_recon, r3_recon_nostop above 0.6."""
+  decision = confirm.decide(found_of(errors(*means)), KEPT, final=True)
+  assert decision["claim"] == claim
+
+
+def test_primary_called_and_equivalence_within_the_margin():
+  found = found_of(errors(0.0, 0.0, 0.12))
+  d = confirm.decide(found, KEPT, final=True)
+  assert d["primary"]["called"] and d["primary"]["mean"] == pytest.approx(0.12)
+  assert not d["equivalence"]["within"]
+  found = found_of(errors(0.0, 0.0, 0.0, spread=0.5))
+  d = confirm.decide(found, KEPT, final=True)
+  assert not d["primary"]["called"] and d["equivalence"]["within"]
+  within = d["equivalence"]
+  half = stats.t_quantile(0.95, 15) * within["sd"] / 4
+  assert within["hi"] - within["mean"] == pytest.approx(half)
+  # A wide spread: neither called nor shown within 0.10.
+  d = confirm.decide(found_of(errors(0.0, 0.0, 0.0, spread=12.0)), KEPT, final=True)
+  assert not d["primary"]["called"] and not d["equivalence"]["within"]
+
+
+def test_holm_keeps_a_secondary_pair_that_alone_would_be_called():
+  # r3 - r1 at t = -2.2 and r3 nostop - r1 at t = 2.15 (p 0.044 and 0.048):
+  # each excludes zero alone, neither survives Holm (the smaller p > 0.025).
+  se = np.std(WOBBLE, ddof=1) / 4
+  errs = errors(0.0, 0.0, 0.0)
+  for k, seed in enumerate(SEEDS):
+    errs["r3_recon"][seed] = errs["r1_recon"][seed] - 2.2 * se + WOBBLE[(k + 3) % 16]
+    errs["r3_recon_nostop"][seed] = (errs["r1_recon"][seed] + 2.15 * se
+                                     + WOBBLE[(k + 7) % 16])
+  d = confirm.decide(found_of(errs), KEPT, final=True)
+  first, second = d["secondary"]
+  assert 0.025 < first["p"] < 0.05 and 0.025 < second["p"] < 0.05
+  assert first["lo"] * first["hi"] > 0 and second["lo"] * second["hi"] > 0
+  assert not first["called"] and not second["called"]
+  assert first["p_holm"] == pytest.approx(2 * min(first["p"], second["p"]))
+  assert d["claim"] == "not settled"
+
+
+def test_fewer_than_sixteen_blocks_call_nothing():
+  found = found_of(errors(0.05, 0.0, 0.20), seeds=SEEDS[:15])
+  d = confirm.decide(found, KEPT, final=False)
+  assert d["primary"]["lo"] > 0 and not d["primary"]["called"]
+  assert not any(s["called"] for s in d["secondary"]) and not d["equivalence"]["within"]
+  assert d["claim"] == "interim: no verdict"
+
+
+def test_host_kind_from_cpuinfo(tmp_path):
+  info = tmp_path / "cpuinfo"
+  info.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\n"
+                  "model\t\t: 17\nmodel name\t: AMD EPYC\nflags\t\t: fpu avx2 fma\n")
+  assert host._cpuinfo(str(info)) == ("AMD EPYC", {"fpu", "avx2", "fma"},
+                                      "AuthenticAMD family 25 model 17")
+  assert confirm.host_kind({"started": {"cpu": "AMD EPYC", "cpu_id": "AuthenticAMD "
+                                        "family 25 model 17"}}) == (
+      "AMD EPYC, AuthenticAMD family 25 model 17")
+  assert confirm.host_kind({"started": {"cpu": "AMD EPYC", "flags": ["avx512f"]}}) == (
+      "AMD EPYC, AVX-512")
+
+
+def fake_block(out, seed, errs, cpu_id="AuthenticAMD family 25 model 17"):
+  """One block's three runs as the protocol leaves them (small files only)."""
+  for variant in along.VARIANTS:
+    folder = os.path.join(out, along.run_name(variant, seed))
+    os.makedirs(folder)
+    with open(os.path.join(folder, "metrics.jsonl"), "w") as f:
+      for epoch in range(1, 11):
+        f.write(json.dumps({"epoch": epoch, "step": 429 * epoch, "kind": "epoch",
+                            "train_loss": 0.1 / epoch, "val_loss": 0.05 / epoch}) + "\n")
+    results = {str(e): {"epoch": e, "step": 429 * e,
+                        "test": {"count": 10000, "margin_loss_mean": 0.01 / e,
+                                 "error_percent": errs[variant][seed] + 0.1 * (10 - e)},
+                        "affine": {"count": 10000, "error_percent": 2.0}} for e in KEPT}
+    with open(os.path.join(folder, along.RESULTS_FILE), "w") as f:
+      json.dump(results, f)
+    with open(os.path.join(folder, "host.json"), "w") as f:
+      json.dump({"started": {"cpu": "AMD EPYC", "cpu_id": cpu_id, "flags": ["avx2"],
+                             "commit": "abc123def4567890"}, "resumed": []}, f)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+      json.dump({"model": {"precision": "fp32", "conv_plan": "conv1:conv2d,primary_caps:dft"},
+                 "train": {"seed": seed}}, f)
+
+
+def _confirm(*args):
+  """capsnet.confirm as a user starts it (give --publish: its default is the
+  repository's study/confirm)."""
+  env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+  return subprocess.run([sys.executable, "-m", "capsnet.confirm", *args], env=env,
+                        capture_output=True, text=True, cwd=ROOT, timeout=300)
+
+
+@pytest.mark.integration
+def test_the_report_from_files_interim_then_final_and_the_same_bytes(tmp_path):
+  out = tmp_path / "confirm"
+  errs = errors(0.05, 0.0, 0.10)
+  for seed in SEEDS[:-1]:
+    fake_block(str(out), seed, errs, cpu_id=f"AuthenticAMD family {25 + seed % 2} model 1")
+  proc = _confirm(f"--out={out}", f"--publish={out}", "--train=false")
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  text = (out / "results.md").read_text()
+  assert text.splitlines()[0].endswith(": interim, 15 of 16 blocks, no call")
+  assert "No call: the rule judges sixteen blocks." in text and "called**" not in text
+  fake_block(str(out), SEEDS[-1], errs)
+  proc = _confirm(f"--out={out}", f"--publish={out}", "--train=false")
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  text = (out / "results.md").read_text()
+  assert text.splitlines()[0].endswith(": 16 blocks, as registered")
+  assert "- **The claim** (with the stop r = 3 beats r = 1, without it r = 1 beats " \
+         "r = 3): **supported**" in text
+  assert "| 20 | AMD EPYC | AMD EPYC, AuthenticAMD family 25 model 17 | abc123def456 " \
+         "| fp32 | conv1:conv2d,primary_caps:dft |" in text
+  payload = json.loads((out / "results.json").read_text())
+  assert payload["final"] and payload["blocks"] == list(SEEDS)
+  assert [k["kind"] for k in payload["by_host_kind"]] == [
+      "AMD EPYC, AuthenticAMD family 25 model 1", "AMD EPYC, AuthenticAMD family 25 model 17",
+      "AMD EPYC, AuthenticAMD family 26 model 1"]
+  assert payload["pooled"][0]["n"] == 21    # the five pilot blocks and these sixteen
+  assert (out / "confirm.png").read_bytes()[:4] == b"\x89PNG"
+  before = {p: (out / p).read_bytes() for p in ("results.md", "results.json", "confirm.png")}
+  proc = _confirm(f"--out={out}", f"--publish={out}", "--train=false")
+  assert {p: (out / p).read_bytes() for p in before} == before
+
+
+@pytest.mark.integration
+def test_seeds_outside_the_registration_refused_in_one_line(tmp_path):
+  proc = _confirm(f"--out={tmp_path}", "--first_seed=4")
+  assert proc.returncode == 1 and os.listdir(tmp_path) == []
+  assert proc.stderr.strip() == ("confirm: error: --first_seed=4 --seeds=1: the "
+                                 "registered seeds are 5 to 20")
+  proc = _confirm(f"--out={tmp_path}", "--first_seed=20", "--seeds=2")
+  assert proc.returncode == 1 and "the registered seeds are 5 to 20" in proc.stderr
+  missing = tmp_path / "confrim"
+  proc = _confirm(f"--out={missing}", "--train=false")
+  assert proc.returncode == 1 and not missing.exists()
+  assert proc.stderr.strip() == (f"confirm: error: --out={missing}: no such folder "
+                                 "(expected the protocol's runs, <variant>_seed<k>/)")
+
+
+@pytest.mark.integration
+def test_power_command_prints_the_registered_computation():
+  proc = _confirm("--power")
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert "registered n = 16: power 0.815 for 0.06 points" in proc.stdout
+
+
+@pytest.mark.slow
+@needs_mnist
+def test_a_block_end_to_end_on_a_small_model(tmp_path):
+  """Block 5 of two epochs, kept at 1 and 2, on a small model: three fp32 runs,
+  each kept checkpoint scored on the test and affine sets, the small files
+  published, and an interim report of the published block."""
+  out, pub = tmp_path / "out", tmp_path / "pub"
+  proc = _confirm("--epochs=2", "--kept=1,2", f"--out={out}", f"--publish={pub}",
+                  "--", *SMALL, "--train_size=320")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  for variant in along.VARIANTS:
+    name = along.run_name(variant, 5)
+    config = json.loads((out / name / "config.json").read_text())
+    assert config["model"]["precision"] == "fp32" and config["train"]["seed"] == 5
+    results = json.loads((out / name / along.RESULTS_FILE).read_text())
+    assert sorted(results) == ["1", "2"] and results["2"]["test"]["count"] == 10000
+    assert sorted(os.listdir(pub / name)) == sorted(along.SMALL_FILES)
+  assert (pub / "results.md").read_text().splitlines()[0].endswith(
+      ": interim, 1 of 16 blocks, no call")
