@@ -345,6 +345,19 @@ def parse_epochs(values):
   return tuple(sorted(set(epochs)))
 
 
+def kept_past_the_end(keep_epochs, epochs):
+  """The line train.py says at its start when --keep_epochs names epochs past
+  the run's last (nothing is kept for them unless the run is resumed with
+  more --epochs), or None."""
+  past = [e for e in keep_epochs if e > epochs]
+  if not past:
+    return None
+  return (f"train.py: --keep_epochs: epoch {', '.join(map(str, past))} "
+          f"{'is' if len(past) == 1 else 'are'} past the run's last (--epochs={epochs}): "
+          "nothing is kept for "
+          f"{'it' if len(past) == 1 else 'them'} unless the run is resumed with more epochs")
+
+
 def check_cluster(cluster, dataset, ema_decay, precision):
   """What does not run on a cluster (yet), decided here only.
 

@@ -58,6 +58,9 @@ def main(argv):
     s = config.settings_from_flags(FLAGS)
   except ValueError as e:   # ModelConfig and cluster errors
     sys.exit(f"train.py: error: {e}")
+  note = config.kept_past_the_end(s.keep_epochs, s.epochs)
+  if note:
+    print(note, flush=True)
   if s.cluster is not None and s.cluster.job == "ps":   # serves, runs no loop
     sys.exit(roles.serve(s.cluster))
   role = roles.choose(s.cluster, s.sync, s.cluster_wait_secs)

@@ -37,6 +37,7 @@ MEASURES = (("test_margin_loss", "mean test margin loss (the protocols' primary 
              "measure)", "+.5f"),
             ("test_error", "test error, % points", "+.3f"))
 ROUTED = ("r3_recon", "r3_recon_nostop")   # the variants whose couplings move
+PROTOCOLS = ("short", "along", "table1")   # study/<protocol>/results.json, shortest first
 SHORT_DECAY_STEPS = 14                     # the short protocol's compressed schedule
 
 
@@ -45,15 +46,24 @@ def define_flags():
       os.path.abspath(__file__))), "study"), "the folder of short/, along/ and table1/")
   flags.DEFINE_string("out", None, "where answer.md and answer.json go "
                       "(default: --study)")
+  flags.DEFINE_list("protocols", list(PROTOCOLS), "the protocols whose results the "
+                    "answer puts side by side (leave one out only on purpose: a "
+                    "missing one is an error)")
 
 
 FLAGS = flags.FLAGS
 
 
 def _read(study, protocol):
-  """<study>/<protocol>/results.json, or None.
-  Raises: runs.RunError naming the file if it is not JSON."""
-  return runs.RunFolder(os.path.join(study, protocol)).read_json("results.json")
+  """<study>/<protocol>/results.json.
+  Raises: runs.RunError naming the file if it is missing or not JSON."""
+  folder = runs.RunFolder(os.path.join(study, protocol))
+  found = folder.read_json("results.json")
+  if found is None:
+    raise runs.RunError(f"{folder.file('results.json')}: missing (the {protocol} "
+                        "protocol's results; --protocols names the ones to put side "
+                        "by side)")
+  return found
 
 
 def _from_rows(rows, decay_steps):
@@ -83,15 +93,21 @@ def _grid_row(label, selection, runs_by_variant):
   return row
 
 
-def rows(study):
-  """The table's rows from <study>/{short,along,table1}/results.json (a
-  protocol without its file is left out)."""
+def rows(study, protocols=PROTOCOLS):
+  """The table's rows from <study>/<protocol>/results.json of each of
+  `protocols` (a subset of PROTOCOLS).
+  Raises: runs.RunError naming a missing or damaged results.json; ValueError
+  for no protocol or an unknown one."""
+  unknown = [p for p in protocols if p not in PROTOCOLS]
+  if unknown or not protocols:
+    raise ValueError(f"--protocols={','.join(protocols)}: expected one or more of "
+                     f"{','.join(PROTOCOLS)}")
   out = []
-  short = _read(study, "short")
+  short = _read(study, "short") if "short" in protocols else None
   if short:
     out.append(_grid_row("5 epochs, compressed schedule", "best validation",
                          _from_rows(short["rows"], SHORT_DECAY_STEPS)))
-  along = _read(study, "along")
+  along = _read(study, "along") if "along" in protocols else None
   if along:
     for epoch in along["kept_epochs"]:
       row = {"length": f"epoch {epoch}, paper's schedule", "selection": "none",
@@ -108,7 +124,7 @@ def rows(study):
                                "grad_share": report.mean_or_none(m.get("grad_share") for m in per),
                                "n": len(per)}
       out.append(row)
-  table1 = _read(study, "table1")
+  table1 = _read(study, "table1") if "table1" in protocols else None
   if table1:
     found = table1["rows"] if isinstance(table1, dict) else table1
     out.append(_grid_row("50 epochs, paper's schedule", "best validation",
@@ -146,13 +162,12 @@ def markdown(table):
   return "\n".join(lines) + "\n"
 
 
-def write(study, out=None):
-  """answer.md and answer.json into `out` (default: `study`). Returns the markdown."""
+def write(study, out=None, protocols=PROTOCOLS):
+  """answer.md and answer.json into `out` (default: `study`), from the
+  results of `protocols`; nothing is written if one is missing or damaged.
+  Returns the markdown."""
   out = out or study
-  table = rows(study)
-  if not table:
-    raise ValueError(f"{study}: no short/, along/ or table1/results.json (a "
-                     "mistyped --study?)")
+  table = rows(study, protocols)
   text = markdown(table)
   os.makedirs(out, exist_ok=True)
   files.atomic_write(os.path.join(out, "answer.md"), text)
@@ -164,7 +179,7 @@ def write(study, out=None):
 def main(argv):
   del argv
   try:
-    print(write(FLAGS.study, FLAGS.out))
+    print(write(FLAGS.study, FLAGS.out, tuple(FLAGS.protocols)))
   except ValueError as e:   # runs.RunError too: a damaged results.json, named
     sys.exit(f"answer: error: {e}")
 

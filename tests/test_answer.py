@@ -83,14 +83,31 @@ def test_the_markdown_and_the_same_bytes_again(study, tmp_path):
   assert {p: (tmp_path / "out" / p).read_bytes() for p in before} == before
 
 
-def test_a_missing_protocol_is_left_out_and_none_refused(study, tmp_path):
-  os.remove(os.path.join(study, "table1", "results.json"))
-  assert answer.rows(study)[-1]["length"] == "epoch 10, paper's schedule"
+def test_a_missing_protocol_is_named_and_the_answer_left_as_it_was(study, tmp_path):
+  answer.write(study)
+  before = {p: open(os.path.join(study, p), "rb").read() for p in ("answer.md", "answer.json")}
+  missing = os.path.join(study, "table1", "results.json")
+  os.remove(missing)
+  with pytest.raises(ValueError, match=f"^{missing}: missing \\(the table1 protocol's"):
+    answer.rows(study)
+  proc = subprocess.run([sys.executable, "-m", "capsnet.answer", f"--study={study}"],
+                        capture_output=True, text=True, cwd=ROOT, timeout=120)
+  assert proc.returncode == 1
+  assert proc.stderr.strip() == (f"answer: error: {missing}: missing (the table1 "
+                                 "protocol's results; --protocols names the ones to "
+                                 "put side by side)")
+  assert {p: open(os.path.join(study, p), "rb").read() for p in before} == before
+  # Told to leave it out, the answer has the other protocols' rows.
+  table = answer.rows(study, ("short", "along"))
+  assert table[-1]["length"] == "epoch 10, paper's schedule"
+  with pytest.raises(ValueError, match="^--protocols=short,tabel1: expected one or more "
+                                       "of short,along,table1$"):
+    answer.rows(study, ("short", "tabel1"))
   proc = subprocess.run([sys.executable, "-m", "capsnet.answer", f"--study={tmp_path}"],
                         capture_output=True, text=True, cwd=ROOT, timeout=120)
   assert proc.returncode == 1
-  assert proc.stderr.strip() == (f"answer: error: {tmp_path}: no short/, along/ or "
-                                 "table1/results.json (a mistyped --study?)")
+  assert proc.stderr.strip().startswith(
+      f"answer: error: {tmp_path / 'short' / 'results.json'}: missing")
 
 
 def test_a_damaged_results_file_is_named(study):

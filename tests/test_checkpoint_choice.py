@@ -91,6 +91,24 @@ def test_keep_epochs_refuses_a_bad_value():
       config.parse_epochs(bad)
 
 
+def test_a_kept_epoch_past_the_last_is_said_at_the_start(tmp_path):
+  assert config.kept_past_the_end((1, 2), 2) is None
+  assert config.kept_past_the_end((1, 5), 2) == (
+      "train.py: --keep_epochs: epoch 5 is past the run's last (--epochs=2): nothing "
+      "is kept for it unless the run is resumed with more epochs")
+  assert config.kept_past_the_end((5, 7), 2).startswith(
+      "train.py: --keep_epochs: epoch 5, 7 are past")
+
+
+@needs_mnist
+def test_train_says_a_kept_epoch_past_the_last(tmp_path):
+  proc = train_here(*QUICK, "--epochs=1", "--keep_epochs=1,5", "--save_every=1000",
+                    f"--logdir={tmp_path / 'run'}")
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert proc.stdout.splitlines()[0] == config.kept_past_the_end((1, 5), 1)
+  assert _epoch_checkpoints(tmp_path / "run") == [10]
+
+
 def _epoch_checkpoints(logdir):
   return [runs.step_of(p) for p in runs.checkpoints_in(os.path.join(logdir, "epochs"))]
 
