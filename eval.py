@@ -26,7 +26,6 @@ import dataclasses
 import json
 import os
 import sys
-import tempfile
 
 from capsnet.running import startup
 startup.import_tensorflow()   # before anything imports TensorFlow
@@ -242,8 +241,7 @@ def make_writable_folder(path):
   work. Raises: RunError naming the path."""
   try:
     os.makedirs(path, exist_ok=True)
-    with tempfile.TemporaryFile(dir=path):
-      pass
+    files.probe_writable(path)
   except OSError as e:
     raise runs.RunError(f"--out_dir={path}: cannot write there ({e.strerror})") from None
 

@@ -37,7 +37,6 @@ import fcntl
 import json
 import os
 import socket
-import tempfile
 
 from capsnet.running import files
 from capsnet.running import startup
@@ -74,11 +73,20 @@ def _network():
   return network
 
 
-def _read_json(path, default=None):
+def _read_json(path, kind="a JSON file", required=False):
+  """The JSON value in `path`, or None where there is no such file: the one
+  reader of the run folder's JSON files.
+  Raises: RunError naming the file, "missing" where `required`, or "not
+  <kind> (why)" for a file that cannot be read as JSON."""
   if not os.path.exists(path):
-    return default
-  with open(path) as f:
-    return json.load(f)
+    if required:
+      raise RunError(f"{path}: missing")
+    return None
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except (OSError, ValueError) as e:
+    raise RunError(f"{path}: not {kind} ({e})") from None
 
 
 def _read_jsonl(path):
@@ -117,12 +125,10 @@ class RunFolder:
     """config.json as a dict, or None if there is none.
     Raises: RunError for a file that is not a config.json."""
     path = self.file(CONFIG_FILE)
-    try:
-      saved = _read_json(path)
-      if saved is not None and not isinstance(saved.get("model"), dict):
-        raise KeyError("model")
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-      raise RunError(f"{path}: not a valid config.json ({e})") from None
+    saved = _read_json(path, "a valid config.json")
+    if saved is not None and not (isinstance(saved, dict)
+                                  and isinstance(saved.get("model"), dict)):
+      raise RunError(f"{path}: not a valid config.json (no \"model\" object)")
     return saved
 
   def write_config(self, model_fields, settings, **extra):
@@ -191,8 +197,7 @@ class RunFolder:
     if not os.path.isdir(folder):
       raise ValueError(f"--logdir={self.path}: {folder} is a file, expected a folder")
     try:
-      with tempfile.TemporaryFile(dir=folder):
-        pass
+      files.probe_writable(folder)
     except OSError as e:
       raise ValueError(f"--logdir={self.path}: cannot write in {folder} "
                        f"({e.strerror})") from None
@@ -267,10 +272,7 @@ class RunFolder:
   def read_json(self, name):
     """The folder's JSON file `name` (e.g. a study's results), or None.
     Raises: RunError naming the file if it is not JSON."""
-    try:
-      return _read_json(self.file(name))
-    except ValueError as e:
-      raise RunError(f"{self.file(name)}: not a JSON file ({e})") from None
+    return _read_json(self.file(name))
 
   def write_json(self, name, value):
     """The folder's JSON file `name`, written whole or not at all."""
@@ -331,13 +333,7 @@ class EvalFolder:
 
   def results(self):
     """results.json. Raises: RunError if it is missing or not JSON."""
-    path = self.file(EVAL_RESULTS_FILE)
-    if not os.path.exists(path):
-      raise RunError(f"{path}: missing")
-    try:
-      return _read_json(path)
-    except ValueError as e:
-      raise RunError(f"{path}: not a valid results.json ({e})") from None
+    return _read_json(self.file(EVAL_RESULTS_FILE), "a valid results.json", required=True)
 
   def write_predictions(self, labels, predictions, lengths):
     """predictions.csv; `labels` and `predictions` [n] (one digit an image)

@@ -17,6 +17,7 @@ import tensorflow as tf
 
 from capsnet.data import mnist
 from capsnet.model import network
+from capsnet.running import evaluation
 from capsnet.running import runs
 
 
@@ -47,13 +48,12 @@ def classify(cfg, ckpt, images, weights="auto"):
   Returns: dict of NumPy arrays: classes `[N]`, lengths `[N, classes]`,
     reconstructions `[N, pixels]` (with the decoder), couplings
     `[N, iter_routing, in_caps, classes]` and routing_entropy `[N,
-    iter_routing]` (`network.routing_movement`'s entropy, float64).
+    iter_routing]` (`evaluation.routing_movement`'s entropy, float64).
   """
   with tf.Graph().as_default():
     images_in, outputs, couplings = _graph(cfg)
     outputs["couplings"] = tf.stack(couplings, axis=1)
-    outputs["routing_entropy"] = tf.stack([network.routing_movement(
-        tf.cast(c, tf.float64))[0] for c in couplings], axis=1)
+    outputs["routing_entropy"] = evaluation.routing_movement(couplings)["entropy"]
     with tf.compat.v1.Session() as sess:
       _restore(sess, ckpt, weights)
       return sess.run(outputs, {images_in: images})
