@@ -338,15 +338,25 @@ def report(found, kept, folder):
   return text
 
 
+def parse_kept(values, epochs):
+  """--kept's values as a sorted tuple of epochs.
+  Raises: ValueError naming the value unless each is an epoch of 1..epochs."""
+  try:
+    kept = tuple(sorted({int(e) for e in values}))
+  except ValueError:
+    kept = ()
+  if not kept or kept[0] < 1 or kept[-1] > epochs:
+    raise ValueError(f"--kept={','.join(values)}: expected epochs between 1 and "
+                     f"--epochs={epochs}")
+  return kept
+
+
 def main(argv):
   extra = argv[1:]     # everything after `--` goes to train.py (tests: a small model)
   try:
-    kept = tuple(sorted({int(e) for e in FLAGS.kept}))
-  except ValueError:
-    kept = ()
-  if not kept or kept[0] < 1 or kept[-1] > FLAGS.epochs:
-    sys.exit(f"along: error: --kept={','.join(FLAGS.kept)}: expected epochs between 1 "
-             f"and --epochs={FLAGS.epochs}")
+    kept = parse_kept(FLAGS.kept, FLAGS.epochs)
+  except ValueError as e:
+    sys.exit(f"along: error: {e}")
   if FLAGS.precision not in ("fp32", "bf16"):
     sys.exit(f"along: error: --precision={FLAGS.precision}: expected fp32 or bf16")
   seeds = range(FLAGS.first_seed, FLAGS.first_seed + FLAGS.seeds)

@@ -347,12 +347,9 @@ def report(out, kept, pilot, folder):
 def main(argv):
   extra = argv[1:]     # everything after `--` goes to train.py (tests: a small model)
   try:
-    kept = tuple(sorted({int(e) for e in FLAGS.kept}))
-  except ValueError:
-    kept = ()
-  if not kept or kept[0] < 1 or kept[-1] > FLAGS.epochs:
-    sys.exit(f"confirm: error: --kept={','.join(FLAGS.kept)}: expected epochs between 1 "
-             f"and --epochs={FLAGS.epochs}")
+    kept = along.parse_kept(FLAGS.kept, FLAGS.epochs)
+  except ValueError as e:
+    sys.exit(f"confirm: error: {e}")
   if FLAGS.power:
     try:
       _, pilot_found = _complete(along.collect(FLAGS.pilot, PILOT_SEEDS, kept), kept)

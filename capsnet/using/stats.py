@@ -36,13 +36,17 @@ def t_quantile(p, df):
   t_quantile(0.975, 2) = 4.303. Found by bisection on the closed form."""
   if not 0.5 < p < 1:
     raise ValueError(f"t_quantile: p must be in (0.5, 1), got {p!r}")
-  coverage = 2 * p - 1
+  return _inverse(lambda t: t_two_sided_coverage(t, df), 2 * p - 1)
+
+
+def _inverse(increasing, target):
+  """The x >= 0 with increasing(x) = target, by doubling then bisection."""
   lo, hi = 0.0, 1.0
-  while t_two_sided_coverage(hi, df) < coverage:
+  while increasing(hi) < target:
     hi *= 2
   for _ in range(200):
     mid = (lo + hi) / 2
-    lo, hi = (mid, hi) if t_two_sided_coverage(mid, df) < coverage else (lo, mid)
+    lo, hi = (mid, hi) if increasing(mid) < target else (lo, mid)
   return (lo + hi) / 2
 
 
@@ -185,12 +189,6 @@ def sd_interval(sd, df, level=0.95):
   """The `level` confidence interval of a normal standard deviation whose
   estimate `sd` has `df` degrees of freedom: sd sqrt(df / chi2 quantiles)."""
   def quantile(p):
-    lo, hi = 0.0, 1.0
-    while chi2_cdf(hi, df) < p:
-      hi *= 2
-    for _ in range(200):
-      mid = (lo + hi) / 2
-      lo, hi = (mid, hi) if chi2_cdf(mid, df) < p else (lo, mid)
-    return (lo + hi) / 2
+    return _inverse(lambda x: chi2_cdf(x, df), p)
   tail = (1 - level) / 2
   return sd * math.sqrt(df / quantile(1 - tail)), sd * math.sqrt(df / quantile(tail))
