@@ -4,29 +4,15 @@
   python -m capsnet.bench --precision=fp32 --json=bench.json
   python -m capsnet.bench --profile               # where the step's time goes
 
-For each (variant, convolutions, precision, mode) a fresh child process
-builds the paper model, runs --warmup steps, then times --steps steps one by
-one and reports the median images/s and the child's peak RSS; our training
-step also its GFLOP/s counted for the methods that ran and its fraction of
-its roofline on this host (`capsnet.roofline`: each part's FLOPs over the
-matmul peak or its bytes over the memory bandwidth, whichever is larger,
-both measured in the same round); other rows GFLOP/s with PrimaryCaps
-counted as a direct convolution. --profile books a traced step to the
-parts and prints each one's time against its own limit. Before each
-measurement the bench samples how busy other programs keep the machine
-(`host.others_busy`) and says in one line when it was not idle; the report
-then says "idle": false. `ours` is measured with each of
---convs: `planned` (the host's plan, `capsnet.running.planner`, printed with
-the time it took) and the fixed choices (custom_grad, conv2d, dft); the
-report gives the planned step over each fixed one. Mode `layers` times
-PrimaryCaps' convolution alone (forward and both gradients) by each method,
-with the DFT's ratio against conv2d. All of it is repeated in --rounds
-interleaved rounds, and the report gives the medians over rounds (of the
-ratios too, each taken within its round). `tiled` is the naive baseline: W
-and u tiled over the batch and routing as the well-known TF1 reference does
-it (`tiled_digit_caps`), with TensorFlow's own convolution gradients.
---host_file also writes the report to bench_results/<CPU model>.<kernel
-flag>.json, one file per kind of host measured.
+Each (variant, convolutions, precision, mode) is timed in a fresh child
+process: the median images/s over --steps, the peak RSS and, for our
+training step, its fraction of the roofline on this host
+(`capsnet.roofline`). `ours` runs with each of --convs (`planned`: the
+host's plan; or a fixed method); `tiled` is the naive TF1-style baseline
+(`tiled_digit_caps`); mode `layers` times PrimaryCaps' convolution alone
+and `routing` routing's two forms. Everything repeats in --rounds
+interleaved rounds and the report gives medians; a machine that was not idle
+is said. How to read the figures, and today's: docs/performance.md.
 """
 import dataclasses
 import multiprocessing

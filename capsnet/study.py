@@ -1,5 +1,5 @@
-"""Routing studies: trains and tests each variant of a grid, then reports
-(the tables and plots: `capsnet.using.report`, from the runs' files).
+"""Routing studies: trains and tests each variant of a grid with the same
+seeds, then reports (`capsnet.using.report`, from the runs' files alone).
 
   python -m capsnet.study --epochs=1 --seeds=2              # stop_gradient grid
   python -m capsnet.study --grid=table1 --variants=r3_recon --epochs=50 \\
@@ -8,33 +8,12 @@
       --train=false --publish=study/table1                  # tabulate, copy
   python -m capsnet.study --epochs=1 --seeds=1 -- --train_size=2000   # train.py flags after --
 
-Grids:
-- `stop_gradient`: r = 1 (the stop changes nothing there; tests/
-  test_stop_gradient.py proves it), and r = 2, 3 with stop_gradient on and off.
-- `table1`: the rows of Table 1 of the paper, r = 1 and r = 3 each with and
-  without the reconstruction decoder, plus r = 3 with reconstruction and
-  stop_gradient off.
-- `multimnist`: r = 3 with reconstruction on MultiMNIST (Section 6); its
-  error counts an image right only if both digits are.
-
-Every variant runs with the same seeds, hence the same initial weights, data
-order and augmentation, the same split and the same budget; each run is a
-train.py run in <out>/<variant>[_decay<N>]_seed<k>/ with the gradient
-diagnostic on (`_decay<N>` when --decay_steps is not train.py's 2,000). A
-finished run (test_results.json written after the last epoch) is skipped, an
-unfinished one resumes, so the study can be stopped and continued. At the end
-the study writes <out>/results.md (the table; runs still in progress appear
-with the epochs they have), results.json, val_error.png (validation error
-against epoch, log scale, a line per run; for MultiMNIST against training
-pairs seen, beside the paper's 5.2%) and, when some variant has r > 1,
-diagnostic.png (the share of W's gradient that flows through the routing
-coefficients, against epoch). --publish=DIR writes the same there and copies
-each run's small files (`runs.SMALL_FILES`: config.json, metrics.jsonl,
-diagnostics.jsonl, test_results.json, routing.json, host.json and, for the
-short protocol, affine_results.json) to DIR/<run>/, never its checkpoints.
-The short protocol (`--grid=short`, docs/short.md) also scores each finished
-run on the affine test set with the severity sweep, and the shipped weights
-(`--shipped`) once, into <out>/shipped/.
+Grids (`GRIDS`): `stop_gradient`, `table1`, `short` (docs/short.md) and
+`multimnist`. Each run is a train.py run in <out>/<variant>[_decay<N>]_seed<k>/;
+a finished run is skipped and an unfinished one resumes. The report
+(results.md, results.json and plots) goes to --out, and with --publish also
+there with each run's small files, never a checkpoint. The protocols and
+their rules: docs/table1.md, docs/short.md.
 """
 import os
 import subprocess

@@ -1,47 +1,18 @@
 """Fast VALID convolutions for the CPU: the same values and gradients as
 `tf.nn.conv2d`, computed in forms that oneDNN runs fast.
 
-One entry point, `conv2d(x, w, bias, stride, method, relu)`, and one place
-that chooses by rule: `resolve_impl` turns the config's `conv_impl` ("auto":
-these forms on the CPU, TensorFlow's on a GPU, where cuDNN's strided
-gradients are fast) into "custom_grad", "conv2d" or "dft" for a device, and
-`choose_method` picks each convolution's method. A plan measured on the
-host (`capsnet.running.planner`, `conv_impl="auto"` in the programs) names
-each layer's method instead (`parse_plan`). The methods:
-
-- "conv2d": TensorFlow's convolution and its own gradients.
-- "patch_gemm" (stride 1): the filter and bias gradients are one GEMM of the
-  input patches with dy. For a layer with few input taps (Conv1: 81) this
-  replaces Conv2DBackpropFilter and BiasAddGrad.
-- "dilated" (stride > 1, float32): the forward pass is conv2d; the input
-  gradient is one stride-1 convolution with the roles turned round (w as the
-  input, dy as a kernel dilated by the stride), the filter gradient one
-  convolution of x with dy as a dilated kernel. TensorFlow's strided
-  Conv2DBackpropInput/Filter run far below the forward convolution's speed.
-- "folded" (stride > 1, bfloat16): the forward pass is a stride-1
-  convolution over a space-to-depth view of x with `FOLD` images side by
-  side along the width, the input gradient the stride^2 phases of a stride-1
-  Conv2DBackpropInput folded the same way, the filter gradient as in
-  "dilated". oneDNN's bfloat16 convolutions run well below their speed on
-  narrow output rows (PrimaryCaps: 6 wide); the folded rows are 4 times as
-  wide.
-- "dft" (any stride): exact correlation by a 2-D discrete Fourier transform
-  of the used input extent (size `s(o-1)+k` each way, so nothing wraps
-  round): real DFT along the width, full along the height, the input
-  channels contracted per frequency bin as three real batched matmuls
-  (Gauss's complex product), and only the strided outputs transformed back.
-  Every transform is a small real matrix product, so the gradients are
-  ordinary matmul gradients; in float32 a forward pass is five matmuls, the
-  height's transforms taking Gauss's combinations with them. For
-  PrimaryCaps (20x20, 9x9, stride 2, 256 to 256 channels, batch 128): 190
-  bins, 6.0 G multiply-adds a forward pass against 24.5 G for the direct
-  convolution. In bfloat16 the transforms run
-  in float32 and only the contraction in bfloat16, as four real products
-  instead of three (`_dft_conv`).
-
-Every method is tested against `tf.nn.conv2d` in float64, value and all
-gradients (tests/test_fast_conv.py). Timings that chose them are in the
-commit history and `python -m capsnet.bench`.
+One entry point, `conv2d(x, w, bias, stride, method, relu)`; `resolve_impl`
+and `choose_method` decide by rule, a plan measured on the host
+(`capsnet.running.planner`) names each layer's method instead. The
+`METHODS`: "conv2d" (TensorFlow's own), "patch_gemm" (stride 1: the filter
+and bias gradients as one GEMM of the patches), "dilated" (stride > 1: the
+gradients as stride-1 convolutions), "folded" (stride > 1, bfloat16: four
+images side by side along the width) and "dft" (an exact discrete Fourier
+transform of the used extent, every transform a small real matmul, the
+channels contracted per bin by Gauss's three products; `_dft_conv`). Every
+method is tested against `tf.nn.conv2d` in float64, value and all gradients
+(tests/test_fast_conv.py); how each works and what it costs:
+docs/performance.md.
 """
 import numpy as np
 import tensorflow as tf

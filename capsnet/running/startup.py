@@ -2,29 +2,15 @@
 TensorFlow: with oneDNN, without its start-up notices, and without Keras.
 
 - oneDNN's CPU kernels on (TF_ENABLE_ONEDNN_OPTS=1) unless the user has set
-  TF_ENABLE_ONEDNN_OPTS. TensorFlow turns them on by itself only on CPUs
-  with AVX512-VNNI, AVX512-BF16 or AMX; elsewhere its own Eigen kernels run,
-  and there the step is far slower: on a 2-core AMD EPYC (Zen 3, AVX2, no
-  AVX-512) the fp32 training step by the DFT method trained 82.3 and 73.5
-  images/s with TF_ENABLE_ONEDNN_OPTS=0 against 191.2 and 221.2 with 1
-  (`python -m capsnet.bench --modes=train --variants=ours --convs=dft,conv2d
-  --precision=fp32 --rounds=1 --steps=5 --warmup=2 --peak_size=1024`, the
-  two settings alternating, 2026-12-03; docs/performance.md). Where
-  TensorFlow turns oneDNN on itself this changes nothing. float64, the
-  exactness tests' dtype, does not run in oneDNN. `host.describe` records
-  the setting, and the convolution plan is keyed by it.
-
-- TensorFlow's C++ start-up notices (oneDNN, CUDA stubs, CPU features) are
-  hidden unless the user has set TF_CPP_MIN_LOG_LEVEL. Some are printed
-  while `tensorflow` is imported, before its log level applies, so the
-  import runs with standard error pointed at /dev/null; an import that
-  fails still raises, and its traceback is printed as usual.
-- `import tensorflow` also imports Keras (and, through Keras, matplotlib's
-  pyplot when it is installed) to register Keras' optimizers, which
-  capsnet never uses: about 0.7 s of CPU and 0.9 s of wall time of every
-  start here, a quarter of the import. Keras is held back while TensorFlow
-  imports (TensorFlow then runs as it does where Keras is not installed);
-  `tf.keras` and `import keras` still work afterwards, on first use.
+  the variable: TensorFlow turns them on by itself only on CPUs with
+  AVX512-VNNI, AVX512-BF16 or AMX, and elsewhere its Eigen kernels train
+  far slower (docs/performance.md). `host.describe` records the setting.
+- TensorFlow's C++ start-up notices are hidden unless the user has set
+  TF_CPP_MIN_LOG_LEVEL (the import runs with standard error pointed at
+  /dev/null; an import that fails still raises with its traceback).
+- Keras, which `import tensorflow` imports only to register optimizers
+  capsnet never uses, is held back while TensorFlow imports (a quarter of
+  the import's time); `tf.keras` and `import keras` still work afterwards.
 """
 import contextlib
 import os
