@@ -166,8 +166,8 @@ def model_config_from_flags(values):
     if field.name in kwargs:
       continue
     value = values[field.name].value
-    if field.name == "precision" and value == "auto":
-      value = "fp32"
+    if field.name == "precision":
+      value = precision_flag(values)[0]
     if field.name == "decoder_units":
       try:
         value = tuple(int(u) for u in value)
@@ -205,6 +205,14 @@ def session_config(devices, log_device_placement=False):
   if cpus > 1:   # towers on logical CPU devices
     proto.device_count["CPU"] = cpus
   return proto
+
+
+def precision_flag(values):
+  """(the model config's precision, whether the planner chooses it) from
+  --precision: "auto" is fp32 until train.py's planner measures bf16 against
+  it (`planner.plan_model`); the one place that reads "auto"."""
+  value = values["precision"].value
+  return ("fp32", True) if value == "auto" else (value, False)
 
 
 # --------------------------------------------------------------------------
@@ -259,6 +267,7 @@ class Settings:
   cluster_wait_secs: int
   replan: bool = False      # measure the convolution plan again on resume
   keep_epochs: tuple = ()   # epochs whose end weights epochs/ keeps
+  precision_auto: bool = False   # --precision=auto: the planner chooses it
 
   def recorded(self):
     """The part of the settings that config.json keeps."""
@@ -284,15 +293,15 @@ class Settings:
     """The data set's task (`tasks`)."""
     return tasks.get(self.dataset, self.multimnist_shift)
 
-  def load_splits(self, cfg):
-    """train/validation/test arrays of the data set, checked against the
-    model config `cfg`.
+  def load_splits(self, cfg, task):
+    """train/validation/test arrays of the data set (its `task`), checked
+    against the model config `cfg`.
 
     Raises: DataError (a ValueError) for missing or corrupt files, ValueError
     for images or labels the model cannot take, or a batch larger than the
     training split.
     """
-    splits = self.task().load(self.data_dir, self.val_size, self.download)
+    splits = task.load(self.data_dir, self.val_size, self.download)
     if self.train_size:
       splits["train"] = tuple(a[:self.train_size] for a in splits["train"])
     images, labels = splits["test"][:2]
@@ -316,7 +325,7 @@ def settings_from_flags(values):
   Raises: ValueError for a batch that does not split over the towers or a
   cluster description that cannot be used (cluster_spec.ClusterError).
   """
-  derived = ("cluster", "workers")
+  derived = ("cluster", "workers", "precision_auto")
   names = [f.name for f in dataclasses.fields(Settings) if f.name not in derived]
   kwargs = {name: values[name].value for name in names}
   kwargs["cluster"] = cluster_from_flags(values)
@@ -324,6 +333,7 @@ def settings_from_flags(values):
   check_cluster(kwargs["cluster"], kwargs["dataset"], kwargs["ema_decay"],
                 values["precision"].value)
   kwargs["keep_epochs"] = parse_epochs(kwargs["keep_epochs"])
+  kwargs["precision_auto"] = precision_flag(values)[1]
   kwargs["device"] = resolve_device(kwargs["device"], "train.py")
   kwargs["data_dir"] = kwargs["data_dir"] or default_data_dir(kwargs["dataset"])
   if kwargs["batch_size"] % kwargs["num_gpus"]:

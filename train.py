@@ -74,16 +74,17 @@ def main(argv):
       recorded = folder.config()   # or a resumed run's own
       cfg, line = planner.plan_model(cfg, s.batch_size // s.num_gpus, s.device,
                                      recorded["model"] if recorded else None, s.replan,
-                                     FLAGS.precision == "auto")
+                                     s.precision_auto)
       if line:
         print(line, flush=True)
-    splits = s.load_splits(cfg)
+    task = s.task()   # the data set's, built once for the run
+    splits = s.load_splits(cfg, task)
   except ValueError as e:   # DataError and RunError are ValueErrors
     if run_lock:   # a run that does not start leaves nothing
       run_lock.release(undo=True)
     sys.exit(f"train.py: error: {e}")
   try:
-    train(cfg, s, role, folder, splits)
+    train(cfg, s, task, role, folder, splits)
   except (recording.TrainingError, runs.RunError, cluster_spec.ClusterError) as e:
     sys.exit(f"train.py: error: {e}")
   except OSError as e:
@@ -110,7 +111,7 @@ TrainGraph = collections.namedtuple("TrainGraph", [
     "eval", "eval_averaged", "diag", "init", "coordination"])
 
 
-def build_graph(cfg, s, role, devices, fixed_batch):
+def build_graph(cfg, s, task, role, devices, fixed_batch):
   """Everything train.py runs, in one finalized tf.Graph: the input
   pipeline, the towers' gradients (`network.tower_gradients`) and Adam, the
   validation graph, the gradient diagnostic on `fixed_batch` (images,
@@ -121,7 +122,6 @@ def build_graph(cfg, s, role, devices, fixed_batch):
   with graph.as_default(), distributed.device_scope(role.info):
     tf.compat.v1.set_random_seed(s.seed)
     state = run_state.RunState()
-    task = s.task()
     pipe = task.train_pipeline([cfg.image_size, cfg.image_size, cfg.image_channels],
                                s.batch_size, (role.index, role.workers))
     images, labels, targets = pipe.batch
@@ -158,7 +158,7 @@ def build_graph(cfg, s, role, devices, fixed_batch):
                     eval_averaged, diag, init, coordination)
 
 
-def train(cfg, s, role, folder, splits):
+def train(cfg, s, task, role, folder, splits):
   """Trains until --epochs or --max_steps, then tests the best checkpoint.
 
   Writes config.json once the session is restored or initialised. A stop
@@ -166,9 +166,8 @@ def train(cfg, s, role, folder, splits):
   with status 128 + the signal's number. Only the process that `writes`
   restores, validates, saves and writes.
   """
-  task = s.task()
   devices = distributed.worker_devices(role.info, config.tower_devices(s.device, s.num_gpus))
-  g = build_graph(cfg, s, role, devices, task.fixed_batch(splits))
+  g = build_graph(cfg, s, task, role, devices, task.fixed_batch(splits))
   proto = distributed.session_config(
       role.info, config.session_config(devices, s.log_device_placement))
   stop = stopping.StopRequest(relay=role.relays_stops)

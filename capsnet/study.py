@@ -15,6 +15,7 @@ a finished run is skipped and an unfinished one resumes. The report
 there with each run's small files, never a checkpoint. The protocols and
 their rules: docs/table1.md, docs/short.md.
 """
+import collections
 import os
 import subprocess
 import sys
@@ -268,25 +269,36 @@ def main(argv):
              f"{seeds.start}-{seeds.stop - 1} (expected folders such as "
              f"{report.run_name(variants[0], seeds.start, schedules[0])}/); a mistyped "
              "--out?")
+  where = Where(FLAGS.out, FLAGS.publish, FLAGS.train, FLAGS.routing, FLAGS.shipped)
   try:
-    run_grid(grid, variants, seeds, schedules, settings, extra, pairs, sweep)
+    run_grid(grid, variants, seeds, schedules, settings, extra, pairs, sweep, where)
   except runs.RunError as e:   # a damaged file, named with its line
     sys.exit(f"study: error: {e}")
 
 
-def run_grid(grid, variants, seeds, schedules, settings, extra, pairs, sweep):
+# Where a grid's runs and report go and what is done there (`main`'s flags).
+Where = collections.namedtuple("Where", [
+    "out",       # the runs (checkpoints included) and the report
+    "publish",   # also the report and each run's small files here, or ""
+    "train",     # train missing runs (else: score and report only)
+    "routing",   # measure how far routing moves the couplings
+    "shipped"])  # the shipped weights, scored once on the affine sweep, or ""
+
+
+def run_grid(grid, variants, seeds, schedules, settings, extra, pairs, sweep, where):
   """Trains and scores what is missing, then reports (`main`'s checked flags)."""
-  os.makedirs(FLAGS.out, exist_ok=True)
+  out, epochs = where.out, settings["epochs"]
+  os.makedirs(out, exist_ok=True)
   for seed, decay_steps, name in ((s, d, n) for s in seeds for d in schedules
                                   for n in variants):
-    folder, spec = report.run_dir(FLAGS.out, name, seed, decay_steps), grid.variants[name]
-    if report.is_complete(folder, FLAGS.epochs):
+    folder, spec = report.run_dir(out, name, seed, decay_steps), grid.variants[name]
+    if report.is_complete(folder, epochs):
       print(f"{os.path.basename(folder)}: complete, skipped")
-    elif FLAGS.train:
+    elif where.train:
       run_one(spec, seed, folder, dict(settings, decay_steps=decay_steps), extra)
-    scored = (report.is_complete(folder, FLAGS.epochs)
+    scored = (report.is_complete(folder, epochs)
               and bool(runs.RunFolder(folder).checkpoints("best")))
-    if (FLAGS.routing and scored
+    if (where.routing and scored
         and tasks.get(spec.get("dataset", tasks.DEFAULT)).heads == "one_digit"
         and runs.RunFolder(folder).read_json(runs.ROUTING_FILE) is None):
       print(f"{os.path.basename(folder)}: measuring routing", flush=True)
@@ -295,22 +307,22 @@ def run_grid(grid, variants, seeds, schedules, settings, extra, pairs, sweep):
         and runs.RunFolder(folder).read_json(runs.AFFINE_RESULTS_FILE) is None):
       print(f"{os.path.basename(folder)}: scoring the affine test set", flush=True)
       measure_affine(folder, sweep)
-  shipped = os.path.join(FLAGS.out, report.SHIPPED)
-  if (grid.affine and sweep and FLAGS.shipped
+  shipped = os.path.join(out, report.SHIPPED)
+  if (grid.affine and sweep and where.shipped
       and runs.RunFolder(shipped).read_json(runs.AFFINE_RESULTS_FILE) is None):
-    print(f"{FLAGS.shipped}: scoring the affine test set", flush=True)
+    print(f"{where.shipped}: scoring the affine test set", flush=True)
     os.makedirs(shipped, exist_ok=True)
-    measure_affine(FLAGS.shipped, sweep, shipped)
-  rows = report.summarize(FLAGS.out, grid, variants, seeds, FLAGS.epochs, schedules)
+    measure_affine(where.shipped, sweep, shipped)
+  rows = report.summarize(out, grid, variants, seeds, epochs, schedules)
   comparisons = report.compare(rows, pairs, grid.measures)
   descriptive = report.compare(rows, pairs, grid.descriptive) if grid.descriptive else ()
-  reference = report.shipped_sweep(FLAGS.out)
-  table = report.report(rows, FLAGS.out, grid, comparisons, reference, descriptive)
-  if FLAGS.publish:
-    report.report(rows, FLAGS.publish, grid, comparisons, reference, descriptive)
-    report.publish(FLAGS.out, rows, FLAGS.publish)
+  reference = report.shipped_sweep(out)
+  table = report.report(rows, out, grid, comparisons, reference, descriptive)
+  if where.publish:
+    report.report(rows, where.publish, grid, comparisons, reference, descriptive)
+    report.publish(out, rows, where.publish)
     if reference:   # (its affine_results.json)
-      runs.RunFolder(shipped).copy_small_files(os.path.join(FLAGS.publish, report.SHIPPED))
+      runs.RunFolder(shipped).copy_small_files(os.path.join(where.publish, report.SHIPPED))
   print(table)
 
 
