@@ -17,28 +17,13 @@ computed here that the protocols' own reports do not compute; this module
 puts their figures side by side. Writing the same files again writes the
 same bytes.
 """
-import json
 import os
 import sys
 
 from absl import app
 from absl import flags
 
-from capsnet.running import files
-from capsnet.running import runs
-from capsnet.running import schedule
-from capsnet.using import report
-from capsnet.using import stats
-
-PAIRS = (("r3_recon", "r3_recon_nostop", "the stop: nostop - stop"),
-         ("r1_recon", "r3_recon", "routing with the stop: r3 - r1"),
-         ("r1_recon", "r3_recon_nostop", "routing without it: r3 nostop - r1"))
-MEASURES = (("test_margin_loss", "mean test margin loss (the protocols' primary "
-             "measure)", "+.5f"),
-            ("test_error", "test error, % points", "+.3f"))
-ROUTED = ("r3_recon", "r3_recon_nostop")   # the variants whose couplings move
-PROTOCOLS = ("short", "along", "table1")   # study/<protocol>/results.json, shortest first
-SHORT_DECAY_STEPS = 14                     # the short protocol's compressed schedule
+from capsnet.science import answer
 
 
 def define_flags():
@@ -46,7 +31,7 @@ def define_flags():
       os.path.abspath(__file__))), "study"), "the folder of short/, along/ and table1/")
   flags.DEFINE_string("out", None, "where answer.md and answer.json go "
                       "(default: --study)")
-  flags.DEFINE_list("protocols", list(PROTOCOLS), "the protocols whose results the "
+  flags.DEFINE_list("protocols", list(answer.PROTOCOLS), "the protocols whose results the "
                     "answer puts side by side (leave one out only on purpose: a "
                     "missing one is an error)")
 
@@ -54,132 +39,10 @@ def define_flags():
 FLAGS = flags.FLAGS
 
 
-def _read(study, protocol):
-  """<study>/<protocol>/results.json.
-  Raises: runs.RunError naming the file if it is missing or not JSON."""
-  folder = runs.RunFolder(os.path.join(study, protocol))
-  found = folder.read_json("results.json")
-  if found is None:
-    raise runs.RunError(f"{folder.file('results.json')}: missing (the {protocol} "
-                        "protocol's results; --protocols names the ones to put side "
-                        "by side)")
-  return found
-
-
-def _from_rows(rows, decay_steps):
-  """{variant: {seed: run}} of a study report's finished runs at one schedule."""
-  return {r["variant"]: {x["seed"]: x for x in r["runs"] if x["complete"]}
-          for r in rows if r["decay_steps"] == decay_steps}
-
-
-def _grid_row(label, selection, runs_by_variant):
-  """A row of a seeded grid (short, table1): each pair's paired differences
-  over the seeds both variants finished, and the routed variants' couplings
-  (routing.json: the mean largest coupling after the last iteration) and
-  gradient share (the last gradient diagnostic)."""
-  row = {"length": label, "selection": selection, "pairs": {}, "mechanism": {}}
-  for a, b, _ in PAIRS:
-    row["pairs"][f"{a}:{b}"] = {
-        key: stats.paired_difference(
-            *({s: x[key] for s, x in runs_by_variant.get(v, {}).items()} for v in (a, b)))
-        for key, _, _ in MEASURES}
-  for v in ROUTED:
-    found = list(runs_by_variant.get(v, {}).values())
-    row["mechanism"][v] = {
-        "max_c": report.mean_or_none(
-            (x.get("routing") or {}).get("own", {}).get("max_c", [None])[-1] for x in found),
-        "grad_share": report.mean_or_none(x["diag"]["digit_caps/weights"][1] for x in found),
-        "n": len(found)}
-  return row
-
-
-def rows(study, protocols=PROTOCOLS):
-  """The table's rows from <study>/<protocol>/results.json of each of
-  `protocols` (a subset of PROTOCOLS).
-  Raises: runs.RunError naming a missing or damaged results.json; ValueError
-  for no protocol or an unknown one."""
-  unknown = [p for p in protocols if p not in PROTOCOLS]
-  if unknown or not protocols:
-    raise ValueError(f"--protocols={','.join(protocols)}: expected one or more of "
-                     f"{','.join(PROTOCOLS)}")
-  out = []
-  short = _read(study, "short") if "short" in protocols else None
-  if short:
-    out.append(_grid_row("5 epochs, compressed schedule", "best validation",
-                         _from_rows(short["rows"], SHORT_DECAY_STEPS)))
-  along = _read(study, "along") if "along" in protocols else None
-  if along:
-    for epoch in along["kept_epochs"]:
-      row = {"length": f"epoch {epoch}, paper's schedule", "selection": "none",
-             "pairs": {}, "mechanism": {}}
-      for c in along["comparisons"]:
-        if c["epoch"] == epoch:
-          d = {k: c[k] for k in ("seeds", "diffs", "n", "mean", "sd", "t", "lo", "hi",
-                                 "called")}
-          row["pairs"].setdefault(f"{c['a']}:{c['b']}", {})[c["measure"]] = d
-      for v in ROUTED:
-        per = [m[str(epoch)] for m in along["runs"].get(v, {}).values()
-               if str(epoch) in m]
-        row["mechanism"][v] = {"max_c": report.mean_or_none(m.get("max_c") for m in per),
-                               "grad_share": report.mean_or_none(m.get("grad_share") for m in per),
-                               "n": len(per)}
-      out.append(row)
-  table1 = _read(study, "table1") if "table1" in protocols else None
-  if table1:
-    found = table1["rows"] if isinstance(table1, dict) else table1
-    out.append(_grid_row("50 epochs, paper's schedule", "best validation",
-                         _from_rows(found, schedule.DECAY_STEPS)))
-  return out
-
-
-def markdown(table):
-  lines = ["# The stop_gradient question along training", "",
-           "From study/short, study/along and study/table1's results.json "
-           "(`python -m capsnet.answer`). Cells: the paired difference B - A over "
-           "the blocks or seeds with both runs, its mean and 95% t interval; "
-           "**bold** = called (the interval excludes zero); B - A > 0: A has the "
-           "lower loss or error. n = 1: one pair, no interval, nothing called.", ""]
-  for key, what, spec in MEASURES:
-    lines += [f"## {what}", ""] + report.table(
-        ["training", "checkpoint chosen on", *(f"{name} ({a}:{b})" for a, b, name in PAIRS)],
-        [[row["length"], row["selection"], *(
-            stats.cell(row["pairs"].get(f"{a}:{b}", {}).get(key), spec, "–", show_n=True)
-            for a, b, _ in PAIRS)]
-         for row in table]) + [""]
-  lines += ["## How far routing moves the couplings (descriptive)", "",
-            "Mean largest coupling after the last of three iterations on the test "
-            "images (uniform: 0.1), and the share of W's gradient that flows "
-            "through the couplings (||g_full - g_stop|| / ||g_full||, the last "
-            "gradient diagnostic), mean over the runs (n).", ""]
-  def figure(m, key, spec):
-    return "–" if m.get(key) is None else f"{format(m[key], spec)} (n = {m['n']})"
-  lines += report.table(
-      ["training", *(f"{v}: {what}" for v in ROUTED
-                     for what in ("largest coupling", "gradient share"))],
-      [[row["length"], *(figure(row["mechanism"].get(v, {}), key, spec) for v in ROUTED
-                         for key, spec in (("max_c", ".4f"), ("grad_share", ".3f")))]
-       for row in table])
-  return "\n".join(lines) + "\n"
-
-
-def write(study, out=None, protocols=PROTOCOLS):
-  """answer.md and answer.json into `out` (default: `study`), from the
-  results of `protocols`; nothing is written if one is missing or damaged.
-  Returns the markdown."""
-  out = out or study
-  table = rows(study, protocols)
-  text = markdown(table)
-  os.makedirs(out, exist_ok=True)
-  files.atomic_write(os.path.join(out, "answer.md"), text)
-  files.atomic_write(os.path.join(out, "answer.json"),
-                     json.dumps(table, indent=1, sort_keys=True) + "\n")
-  return text
-
-
 def main(argv):
   del argv
   try:
-    print(write(FLAGS.study, FLAGS.out, tuple(FLAGS.protocols)))
+    print(answer.write(FLAGS.study, FLAGS.out, tuple(FLAGS.protocols)))
   except ValueError as e:   # runs.RunError too: a damaged results.json, named
     sys.exit(f"answer: error: {e}")
 

@@ -16,49 +16,31 @@ difference by host kind, and each block's host, commit and precision.
 While blocks are missing it says "interim" in its first line and calls
 nothing.
 """
-import json
 import os
 import sys
 
 from absl import app
 from absl import flags
 
-from capsnet import along
-from capsnet import study
-from capsnet.running import files
 from capsnet.running import runs
 from capsnet.running import schedule
-from capsnet.using import report as study_report
-from capsnet.using import stats
-
-# The registration (docs/confirm.md); none of it changes once block 5 starts.
-SEEDS = tuple(range(5, 21))        # sixteen blocks, n fixed by POWER below
-PRECISION = "fp32"
-EPOCH = 10                         # the primary and secondary measures' epoch
-MEASURE = "test_error"             # test error, % of the 10,000 test images
-PRIMARY = ("r3_recon", "r3_recon_nostop", "the stop: nostop - stop")
-SECONDARY = (("r1_recon", "r3_recon", "routing with the stop: r3 - r1"),
-             ("r1_recon", "r3_recon_nostop", "routing without it: r3 nostop - r1"))
-ALPHA = 0.05
-MARGIN = 0.10                      # equivalence: the 90% interval inside +-0.10 points
-POWER = {"effect": 0.06, "target": 0.80}   # points of test error, two-sided at ALPHA
-PILOT_SEEDS = tuple(range(0, 5))
-PILOT = os.path.join(study.ROOT, "study", "along")
-TITLE = "The stop_gradient question, confirmatory (docs/confirm.md)"
+from capsnet.science import along
+from capsnet.science import confirm
+from capsnet.science import grids
 
 
 def define_flags():
-  flags.DEFINE_integer("first_seed", SEEDS[0], "the first block's seed (registered: "
-                       f"{SEEDS[0]}-{SEEDS[-1]})")
+  flags.DEFINE_integer("first_seed", confirm.SEEDS[0], "the first block's seed (registered: "
+                       f"{confirm.SEEDS[0]}-{confirm.SEEDS[-1]})")
   flags.DEFINE_integer("seeds", 1, "blocks to run, from --first_seed", lower_bound=1)
   flags.DEFINE_string("out", os.path.join(os.path.expanduser("~"), "confirm"),
                       "folder of the runs (checkpoints included) and the report")
-  flags.DEFINE_string("publish", os.path.join(study.ROOT, "study", "confirm"),
+  flags.DEFINE_string("publish", os.path.join(grids.ROOT, "study", "confirm"),
                       "copy each scored run's small files, and the report, here")
   flags.DEFINE_bool("train", True, "train and score missing runs (false: report only)")
   flags.DEFINE_bool("power", False, "print the registered power computation from the "
                     "pilot's committed runs (study/along) and exit")
-  flags.DEFINE_string("pilot", PILOT, "the pilot's published runs")
+  flags.DEFINE_string("pilot", confirm.PILOT, "the pilot's published runs")
   flags.DEFINE_integer("epochs", along.EPOCHS, "epochs a run (the protocol: 10; tests: "
                        "fewer)", lower_bound=1)
   flags.DEFINE_list("kept", [str(e) for e in along.KEPT], "the registered epochs "
@@ -66,282 +48,6 @@ def define_flags():
 
 
 FLAGS = flags.FLAGS
-
-
-# --------------------------------------------------------------------------
-# The power computation that fixed n
-
-def power_lines(pilot_found, kept):
-  """The registered power computation, as lines of text, from the pilot's
-  runs: its standard deviation of the primary difference, that estimate's
-  95% interval (four degrees of freedom), and the power of n blocks."""
-  d = _primary(pilot_found, kept)
-  if d is None or d["sd"] is None:
-    raise ValueError("the pilot has fewer than two complete blocks")
-  sd, effect, target = d["sd"], POWER["effect"], POWER["target"]
-  n = next(k for k in range(3, 1000) if stats.paired_t_power(effect, sd, k, ALPHA) >= target)
-  lo, hi = stats.sd_interval(sd, d["n"] - 1)
-  fixed = len(SEEDS)
-  lines = [
-      f"pilot: {d['n']} blocks, {PRIMARY[2]}, {MEASURE} at epoch {EPOCH}: differences "
-      f"{', '.join(f'{x:+.2f}' for x in d['diffs'])} points, mean {d['mean']:+.3f}, "
-      f"sd {sd:.4f}",
-      f"the smallest n with power >= {target:.2f} to call {effect:.2f} points "
-      f"(two-sided {ALPHA}): {n} (power {stats.paired_t_power(effect, sd, n, ALPHA):.3f}; "
-      f"n - 1: {stats.paired_t_power(effect, sd, n - 1, ALPHA):.3f})",
-      f"registered n = {fixed}: power {stats.paired_t_power(effect, sd, fixed, ALPHA):.3f} "
-      f"for {effect:.2f} points, {stats.paired_t_power(0.05, sd, fixed, ALPHA):.3f} for "
-      f"0.05, {stats.paired_t_power(0.10, sd, fixed, ALPHA):.3f} for 0.10, "
-      f"{stats.paired_t_power(abs(d['mean']), sd, fixed, ALPHA):.3f} for the pilot's "
-      f"{abs(d['mean']):.3f}",
-      f"the sd's 95% interval ({d['n'] - 1} degrees of freedom): [{lo:.4f}, {hi:.4f}]; "
-      f"power of n = {fixed} for {effect:.2f} points at its ends: "
-      f"{stats.paired_t_power(effect, lo, fixed, ALPHA):.3f} and "
-      f"{stats.paired_t_power(effect, hi, fixed, ALPHA):.3f}",
-      f"the pilot's power for its own {abs(d['mean']):.3f}: "
-      f"{stats.paired_t_power(abs(d['mean']), sd, d['n'], ALPHA):.3f}; for 0.05: "
-      f"{stats.paired_t_power(0.05, sd, d['n'], ALPHA):.3f}"]
-  return lines
-
-
-# --------------------------------------------------------------------------
-# The rule, from the run files alone
-
-def _primary(found, kept):
-  return _difference(found, PRIMARY[:2], kept)
-
-
-def _difference(found, pair, kept, level=0.95):
-  if EPOCH not in kept:
-    return None
-  def figure(variant):
-    return {s: m[EPOCH][MEASURE] for s, m in found.get(variant, {}).items() if EPOCH in m}
-  return stats.paired_difference(figure(pair[0]), figure(pair[1]), level)
-
-
-def decide(found, kept, final):
-  """The registered calls: {"primary", "equivalence", "secondary", "claim"}.
-  Interim (`final` False): the figures without a call."""
-  primary = _primary(found, kept)
-  within = _difference(found, PRIMARY[:2], kept, level=0.90)
-  second = [_difference(found, (a, b), kept) for a, b, _ in SECONDARY]
-  p_values = [stats.t_p_value(d) for d in second]
-  rejected, adjusted = stats.holm(p_values, ALPHA)
-  signs = [(d["mean"] > 0) - (d["mean"] < 0) if r else 0 for d, r in zip(second, rejected)]
-  out = {"final": final,
-         "primary": dict(primary or {}, p=stats.t_p_value(primary)),
-         "equivalence": dict(within or {}, margin=MARGIN),
-         "secondary": [dict(d or {}, p=p, p_holm=q, called=r and final, sign=s)
-                       for d, p, q, r, s in zip(second, p_values, adjusted, rejected, signs)]}
-  out["primary"]["called"] = bool(primary and primary["called"] and final)
-  out["equivalence"]["within"] = bool(final and within and within["lo"] is not None
-                                      and -MARGIN < within["lo"] and within["hi"] < MARGIN)
-  # The seed's claim: with the stop r = 3 beats r = 1, without it r = 1 beats r = 3.
-  if not final:
-    claim = "interim: no verdict"
-  elif signs == [-1, +1]:
-    claim = "supported"
-  elif signs[0] == +1 or signs[1] == -1:
-    claim = "contradicted"
-  else:
-    claim = "not settled"
-  out["claim"] = claim
-  return out
-
-
-def host_kind(host):
-  """A host.json's machine, as the report groups blocks: the CPU's name and
-  its family and model (or, for runs that did not record them, its widest
-  vector instructions)."""
-  facts = (host or {}).get("started", {})
-  extra = facts.get("cpu_id") or ("AVX-512" if "avx512f" in facts.get("flags", [])
-                                    else "AVX2")
-  return f"{facts.get('cpu', 'unknown CPU')}, {extra}"
-
-
-def block_facts(folder, seed):
-  """{host, kind, commit, precision, plan} of one block, from its runs' files
-  (a field the three runs do not share is listed with " / " between)."""
-  seen = {}
-  for variant in along.VARIANTS:
-    run = runs.RunFolder(os.path.join(folder, along.run_name(variant, seed)))
-    host, config = run.read_json(runs.HOST_FILE) or {}, run.config() or {}
-    started = host.get("started", {})
-    for key, value in (("host", started.get("cpu")), ("kind", host_kind(host)),
-                       ("commit", (started.get("commit") or "?")[:12]),
-                       ("precision", config.get("model", {}).get("precision")),
-                       ("plan", config.get("model", {}).get("conv_plan"))):
-      seen.setdefault(key, [])
-      if value not in seen[key]:
-        seen[key].append(value)
-  return {k: " / ".join(str(v) for v in vs) for k, vs in seen.items()}
-
-
-def _complete(found, kept):
-  done = along.blocks_done(found, kept)
-  return done, {v: {s: m for s, m in per.items() if s in done} for v, per in found.items()}
-
-
-def _verdict_lines(decision):
-  p, e = decision["primary"], decision["equivalence"]
-  if not decision["final"]:
-    return ["No call: the rule judges sixteen blocks."]
-  lines = [f"- **Primary** ({PRIMARY[2]}, {MEASURE} at epoch {EPOCH}, n = {p['n']}): "
-           f"{p['mean']:+.3f} points, 95% interval [{p['lo']:+.3f}, {p['hi']:+.3f}], "
-           f"p = {p['p']:.3f}: " + ("**called**: " + ("the stop gives the lower test error"
-                                                     if p["mean"] > 0 else
-                                                     "turning the stop off gives the lower "
-                                                     "test error") if p["called"]
-                                   else "not called")]
-  lines.append(f"- **Equivalence** (90% interval [{e['lo']:+.3f}, {e['hi']:+.3f}] against "
-               f"+-{MARGIN:.2f}): " + (f"the stop is **within {MARGIN:.2f} points**"
-                                      if e["within"] else
-                                      f"not shown within {MARGIN:.2f} points"))
-  for (a, b, name), d in zip(SECONDARY, decision["secondary"]):
-    lines.append(f"- Secondary, {name}: {d['mean']:+.3f} points [{d['lo']:+.3f}, "
-                 f"{d['hi']:+.3f}], p = {d['p']:.3f}, Holm-adjusted {d['p_holm']:.3f}: "
-                 + ("**called**" if d["called"] else "not called"))
-  lines.append(f"- **The claim** (with the stop r = 3 beats r = 1, without it r = 1 beats "
-               f"r = 3): **{decision['claim']}**")
-  return lines
-
-
-def markdown(found, kept, decision, blocks, pooled, pilot_blocks, by_kind, partial=()):
-  """results.md."""
-  n = len(blocks)
-  state = (f"{n} blocks, as registered" if decision["final"]
-           else f"interim, {n} of {len(SEEDS)} blocks, no call")
-  lines = [f"# {TITLE}: {state}", "",
-           f"Blocks (seeds): {', '.join(map(str, blocks)) or 'none yet'}."
-           + (f" Seed(s) {', '.join(map(str, partial))}: an incomplete block (a run or a "
-              "scoring missing), left out until it is complete." if partial else ""),
-           "Cells: the paired difference B - A over the blocks, its mean and 95% t "
-           "interval; B - A > 0: A has the lower loss or error.", "",
-           "## The registered answer", ""] + _verdict_lines(decision) + [""]
-  table, _ = along.compare(found, kept)
-  lines += ["## Descriptive: every measure and epoch", "",
-            "Not part of the rule: **bold** marks an interval that excludes zero, "
-            "uncorrected.", ""]
-  for key, what, spec in along.MEASURES:
-    what = what.replace(" (primary)", "")   # the pilot's primary measure, not this one's
-    lines += [f"### {what}", ""] + study_report.table(
-        ["pair (A:B)", *(f"epoch {e}" for e in kept)],
-        [[f"{name} ({a}:{b})", *(stats.cell(table[(a, b)][key].get(e), spec) for e in kept)]
-         for a, b, name in along.PAIRS]) + [""]
-  lines += [f"## Descriptive: pooled with the pilot ({len(pilot_blocks)} + {n} blocks)", "",
-            "The pilot's result (docs/along.md) chose this design, so the pooled "
-            f"figures are not a test. {MEASURE} at epoch {EPOCH}:", ""]
-  lines += study_report.table(["pair (A:B)", "pooled"],
-                              [[f"{name} ({a}:{b})", stats.cell(d, "+.3f", "–", True)]
-                               for (a, b, name), d in pooled])
-  lines += ["", f"## Descriptive: {PRIMARY[2]} by host kind ({MEASURE} at epoch {EPOCH})",
-            ""]
-  lines += study_report.table(["host kind", "blocks", "difference"],
-                              [[kind, ", ".join(map(str, seeds)), stats.cell(d, "+.3f", "–",
-                                                                              True)]
-                               for kind, seeds, d in by_kind])
-  lines += ["", "## The blocks", ""]
-  lines += study_report.table(
-      ["seed", "host", "host kind", "commit", "precision", "plan"],
-      [[seed, f["host"], f["kind"], f["commit"], f["precision"], f["plan"]]
-       for seed, f in blocks.items()])
-  return "\n".join(lines) + "\n"
-
-
-def plot(found, kept, decision, path):
-  """confirm.png: left, each block's difference in test error at epoch 10
-  for the three comparisons, their means with 95% intervals (the primary's
-  90% interval too, against the equivalence margins), called ones marked;
-  right, the stop's difference along training (descriptive)."""
-  plt, _ = study_report.figure()
-  fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.4),
-                                    gridspec_kw={"width_ratios": [3, 2]})
-  pairs = [PRIMARY] + list(SECONDARY)
-  called = [decision["primary"]["called"]] + [d["called"] for d in decision["secondary"]]
-  for x, ((a, b, name), is_called) in enumerate(zip(pairs, called)):
-    d = _difference(found, (a, b), kept)
-    if d is None:
-      continue
-    left.scatter([x - 0.15] * len(d["diffs"]), d["diffs"], s=14, color="grey",
-                 alpha=0.7, label="one block" if x == 0 else None)
-    if d["lo"] is not None:
-      left.errorbar([x + 0.1], [d["mean"]], yerr=[[d["mean"] - d["lo"]], [d["hi"] - d["mean"]]],
-                    fmt="o", color="C3" if is_called else "C0", capsize=4,
-                    label="mean, 95% interval" if x == 0 else None)
-  e = decision["equivalence"]
-  if e.get("lo") is not None:
-    left.errorbar([0.25], [e["mean"]], yerr=[[e["mean"] - e["lo"]], [e["hi"] - e["mean"]]],
-                  fmt="s", color="C2", capsize=4, label="primary: 90% interval")
-  for y in (-MARGIN, MARGIN):
-    left.axhline(y, color="C2", linestyle="--", linewidth=0.8)
-  left.axhline(0, color="black", linewidth=0.8)
-  left.set_xticks(range(len(pairs)))
-  left.set_xticklabels([name.replace(": ", ":\n") + ("\n(called)" if c else "")
-                        for (_, _, name), c in zip(pairs, called)], fontsize=8)
-  left.set_ylabel(f"difference in test error at epoch {EPOCH}, points")
-  state = ("sixteen blocks" if decision["final"]
-           else f"interim: {len(along.blocks_done(found, kept))} of {len(SEEDS)} blocks, no call")
-  left.set_title(f"B - A per block ({state})\nred: called by the registered rule; "
-                 f"dashed: the equivalence margins +-{MARGIN:.2f}", fontsize=9)
-  if left.get_legend_handles_labels()[0]:
-    left.legend(fontsize=7)
-  left.set_xlim(-0.6, len(pairs) - 0.4)
-  table, _ = along.compare(found, kept)
-  per = table[PRIMARY[:2]][MEASURE]
-  xs = [ep for ep in kept if ep in per]
-  right.plot(xs, [per[ep]["mean"] for ep in xs], marker="o", color="C0")
-  band = [ep for ep in xs if per[ep]["lo"] is not None]
-  right.fill_between(band, [per[ep]["lo"] for ep in band], [per[ep]["hi"] for ep in band],
-                     color="C0", alpha=0.2, linewidth=0, label="95% interval (descriptive)")
-  right.axhline(0, color="black", linewidth=0.8)
-  right.set_xscale("log")
-  right.set_xlim(min(kept) / 1.2, max(kept) * 1.2)
-  right.set_xticks(list(kept))
-  right.set_xticklabels([str(ep) for ep in kept])
-  right.set_xlabel("epoch")
-  right.set_ylabel("test error, nostop - stop, points")
-  right.set_title("the stop along training", fontsize=9)
-  if band:
-    right.legend(fontsize=7)
-  study_report.save(plt, fig, path)
-
-
-def report(out, kept, pilot, folder):
-  """results.md, results.json and confirm.png into `folder`, from the runs in
-  `out` (the registered seeds) and the pilot's in `pilot`. Returns the
-  markdown."""
-  found = along.collect(out, SEEDS, kept)
-  done, found = _complete(found, kept)
-  partial = sorted({s for per in along.collect(out, SEEDS, kept).values() for s in per}
-                   - set(done))
-  final = len(done) == len(SEEDS)
-  decision = decide(found, kept, final)
-  pilot_done, pilot_found = _complete(along.collect(pilot, PILOT_SEEDS, kept), kept)
-  pooled_found = {v: {**pilot_found.get(v, {}), **found.get(v, {})} for v in along.VARIANTS}
-  pooled = [((a, b, name), _difference(pooled_found, (a, b), kept))
-            for a, b, name in [PRIMARY, *SECONDARY]]
-  blocks = {seed: block_facts(out, seed) for seed in done}
-  kinds = {}
-  for seed, facts in blocks.items():
-    kinds.setdefault(facts["kind"], []).append(seed)
-  by_kind = [(kind, seeds, _difference({v: {s: m for s, m in per.items() if s in seeds}
-                                        for v, per in found.items()}, PRIMARY[:2], kept))
-             for kind, seeds in sorted(kinds.items())]
-  text = markdown(found, kept, decision, blocks, pooled, pilot_done, by_kind, partial)
-  os.makedirs(folder, exist_ok=True)
-  files.atomic_write(os.path.join(folder, "results.md"), text)
-  payload = {"title": TITLE, "final": final, "blocks": done, "incomplete_blocks": partial,
-             "registered_seeds": list(SEEDS), "kept_epochs": list(kept),
-             "decision": decision, "pilot_blocks": pilot_done,
-             "pooled": [{"a": a, "b": b, **(d or {})} for (a, b, _), d in pooled],
-             "by_host_kind": [{"kind": k, "blocks": s, **(d or {})} for k, s, d in by_kind],
-             "block_facts": {str(s): f for s, f in blocks.items()},
-             "runs": {v: {str(s): {str(e): m for e, m in per.items()}
-                          for s, per in seeds.items()} for v, seeds in found.items()}}
-  files.atomic_write(os.path.join(folder, "results.json"),
-                     json.dumps(payload, indent=1, sort_keys=True) + "\n")
-  plot(found, kept, decision, os.path.join(folder, "confirm.png"))
-  return text
 
 
 def main(argv):
@@ -352,15 +58,15 @@ def main(argv):
     sys.exit(f"confirm: error: {e}")
   if FLAGS.power:
     try:
-      _, pilot_found = _complete(along.collect(FLAGS.pilot, PILOT_SEEDS, kept), kept)
-      print("\n".join(power_lines(pilot_found, kept)))
+      _, pilot_found = confirm._complete(along.collect(FLAGS.pilot, confirm.PILOT_SEEDS, kept), kept)
+      print("\n".join(confirm.power_lines(pilot_found, kept)))
     except (ValueError, runs.RunError) as e:
       sys.exit(f"confirm: error: --pilot={FLAGS.pilot}: {e}")
     return
   seeds = range(FLAGS.first_seed, FLAGS.first_seed + FLAGS.seeds)
-  if seeds.start < SEEDS[0] or seeds.stop - 1 > SEEDS[-1]:
+  if seeds.start < confirm.SEEDS[0] or seeds.stop - 1 > confirm.SEEDS[-1]:
     sys.exit(f"confirm: error: --first_seed={FLAGS.first_seed} --seeds={FLAGS.seeds}: "
-             f"the registered seeds are {SEEDS[0]} to {SEEDS[-1]}")
+             f"the registered seeds are {confirm.SEEDS[0]} to {confirm.SEEDS[-1]}")
   publish = (None if os.path.abspath(FLAGS.publish or FLAGS.out) == os.path.abspath(
       FLAGS.out) else FLAGS.publish)
   if not FLAGS.train and not os.path.isdir(FLAGS.out):
@@ -368,15 +74,15 @@ def main(argv):
              "protocol's runs, <variant>_seed<k>/)")
   try:
     if FLAGS.train:
-      settings = {"epochs": FLAGS.epochs, "precision": PRECISION,
+      settings = {"epochs": FLAGS.epochs, "precision": confirm.PRECISION,
                   "decay_steps": schedule.DECAY_STEPS, "diag_every": 100,
                   "val_every": 0, "kept": kept}
       os.makedirs(FLAGS.out, exist_ok=True)
       for seed in seeds:
         along.run_block(FLAGS.out, seed, settings, publish, extra)
-    text = report(FLAGS.out, kept, FLAGS.pilot, FLAGS.out)
+    text = confirm.report(FLAGS.out, kept, FLAGS.pilot, FLAGS.out)
     if publish:    # every block published there, not only this command's
-      report(publish, kept, FLAGS.pilot, publish)
+      confirm.report(publish, kept, FLAGS.pilot, publish)
   except runs.RunError as e:
     sys.exit(f"confirm: error: {e}")
   print(text)

@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from capsnet import along
-from capsnet import answer
-from capsnet.using import stats
+from capsnet.science import along
+from capsnet.science import answer
+from capsnet.science import stats
 from conftest import ROOT
 from test_along import blocks  # noqa: F401 (a fixture)
 

@@ -11,10 +11,10 @@ import sys
 import numpy as np
 import pytest
 
-from capsnet import along
-from capsnet import confirm
+from capsnet.science import along
+from capsnet.science import confirm
 from capsnet.running import host
-from capsnet.using import stats
+from capsnet.science import stats
 from conftest import ROOT, SMALL, needs_mnist
 
 KEPT = along.KEPT

@@ -1,4 +1,4 @@
-"""The layout README.md describes: the library under capsnet/ in four folders,
+"""The layout README.md describes: the library under capsnet/ in five folders,
 each importing only itself and the folders below it, and no library module
 importing a program (train.py, eval.py, config.py, capsnet/*.py)."""
 import ast
@@ -8,7 +8,7 @@ from conftest import ROOT
 
 # A folder may import itself and the folders listed for it.
 BELOW = {"model": set(), "data": set(), "running": {"model", "data"},
-         "using": {"model", "data", "running"}}
+         "using": {"model", "data", "running"}, "science": {"data", "running"}}
 
 
 def _project_imports(path):
@@ -46,6 +46,7 @@ def test_each_folder_imports_only_itself_and_the_folders_below():
   assert "capsnet.model.layers" in seen["model/network.py"]
   assert "capsnet.model.network" in seen["running/runs.py"]
   assert "capsnet.running.runs" in seen["using/serving.py"]
+  assert "capsnet.science.grids" in seen["science/along.py"]
 
 
 def test_every_program_in_the_readme_is_a_top_level_module():

@@ -7,9 +7,9 @@ import subprocess
 
 import pytest
 
-from capsnet import along
-from capsnet import answer
-from capsnet import confirm
+from capsnet.science import along
+from capsnet.science import answer
+from capsnet.science import confirm
 from capsnet.running import runs
 from conftest import ROOT
 

@@ -1,4 +1,4 @@
-"""The routing studies (capsnet.study) and their reports (capsnet.using.report):
+"""The routing studies (capsnet.study, capsnet.science.grids) and their reports (capsnet.science.report):
 aggregation, table, skip/resume, publishing, end to end."""
 import json
 import os
@@ -8,10 +8,10 @@ import sys
 import numpy as np
 import pytest
 
-from capsnet import study
+from capsnet.science import grids
 from capsnet.running import runs
-from capsnet.using import report
-from capsnet.using import stats
+from capsnet.science import report
+from capsnet.science import stats
 from conftest import ROOT, SMALL, needs_mnist
 
 
@@ -51,7 +51,7 @@ def test_summary_and_table(tmp_path):
   assert not report.is_complete(report.run_dir(out, "r1", 0), 1)
   assert not report.is_complete(report.run_dir(out, "r2_stop", 0), 2)
   assert report.is_complete(report.run_dir(out, "r2_stop", 0), 1)
-  rows = report.summarize(out, study.GRIDS["stop_gradient"], ["r1", "r2_stop"], range(2), 1)
+  rows = report.summarize(out, grids.GRIDS["stop_gradient"], ["r1", "r2_stop"], range(2), 1)
   assert [r["variant"] for r in rows] == ["r1", "r2_stop"]
   r1, r = rows
   assert r1["seeds"] == 0 and r1["test_error_mean"] is None and len(r1["runs"]) == 1
@@ -63,7 +63,7 @@ def test_summary_and_table(tmp_path):
   np.testing.assert_allclose(r["diag"]["digit_caps/weights"], (0.02, 0.3))
   assert r["runs"][1]["test_errors_count"] == 150
   assert r["runs"][0]["diag_curve"] == [(0.0, 0.01), (0.5, 0.2)]
-  table = report.markdown(rows, study.GRIDS["stop_gradient"])
+  table = report.markdown(rows, grids.GRIDS["stop_gradient"])
   assert ("| r2_stop | 2 | yes | True | 2000 steps | 2 of 2 | 1.250 ± 0.354 | 1.00, 1.50 "
           "| 1.600 | 100 | 0.02 → 0.3 | 0.01 → 0.15 |") in table
   assert ("| r1 | 1 | yes | n/a | 2000 steps | 0 of 1 | – | in progress (1/1 epochs) "
@@ -79,27 +79,27 @@ def test_multimnist_table_and_curve_by_pairs_seen(tmp_path):
   out = str(tmp_path)
   fake_run(report.run_dir(out, "r3_recon", 0), 6.5, [30.0, 12.0, 8.0], [0.01, 0.2],
            epochs=2, at_least_one=0.991)
-  (r,) = report.summarize(out, study.GRIDS["multimnist"], ["r3_recon"], range(1), 2)
+  (r,) = report.summarize(out, grids.GRIDS["multimnist"], ["r3_recon"], range(1), 2)
   assert r["dataset"] == "multimnist"
   (run,) = r["runs"]
   assert run["images_seen"] == 30 * 128 and run["test_at_least_one"] == 0.991
   assert run["images_curve"] == [(1280, 30.0), (2560, 12.0), (3840, 8.0)]
-  table = report.markdown([r], study.GRIDS["multimnist"])
+  table = report.markdown([r], grids.GRIDS["multimnist"])
   assert "| training pairs seen | test: at least one right % |" in table
   assert "| r3_recon_seed0 | bf16 | 2 | 30 | 6.50 | 650 | 8.00 | 100 | 2 min | 3,840 | 99.10 |" in table
-  report.report([r], str(tmp_path / "report"), study.GRIDS["multimnist"])
+  report.report([r], str(tmp_path / "report"), grids.GRIDS["multimnist"])
   assert open(tmp_path / "report" / "val_error.png", "rb").read(8) == b"\x89PNG\r\n\x1a\n"
   # an MNIST table keeps its nine columns
   assert "pairs seen" not in report.markdown(report.summarize(
-      out, study.GRIDS["table1"], ["r3_recon"], range(1), 2), study.GRIDS["table1"])
+      out, grids.GRIDS["table1"], ["r3_recon"], range(1), 2), grids.GRIDS["table1"])
 
 
 def test_table1_grid_commands_and_schedules(tmp_path):
-  grid = study.GRIDS["table1"].variants
+  grid = grids.GRIDS["table1"].variants
   assert sorted(grid) == ["r1_norecon", "r1_recon", "r3_norecon", "r3_recon",
                           "r3_recon_balance", "r3_recon_nostop", "r3_recon_official"]
   # Issue 24's runs (f) and (g): the official loss balance, then its layers.
-  cmd = study.train_command(grid["r3_recon_official"], 0, "/f", dict(
+  cmd = grids.train_command(grid["r3_recon_official"], 0, "/f", dict(
       epochs=50, precision="bf16", decay_steps=2000, diag_every=100, val_every=0), [])
   assert cmd[2:8] == ["--iter_routing=3", "--stop_gradient=True", "--use_decoder=True",
                       "--recon_weight=0.01", "--capsule_layers=official",
@@ -109,16 +109,16 @@ def test_table1_grid_commands_and_schedules(tmp_path):
   folder = report.run_dir("/runs", "r3_recon_nostop", 1, 143)
   assert folder == "/runs/r3_recon_nostop_decay143_seed1"
   assert report.run_dir("/runs", "r1_norecon", 0) == "/runs/r1_norecon_seed0"
-  cmd = study.train_command(grid["r3_recon_nostop"], 1, folder, settings, ["--x=1"])
+  cmd = grids.train_command(grid["r3_recon_nostop"], 1, folder, settings, ["--x=1"])
   assert cmd[1].endswith("train.py")
   assert cmd[2:] == ["--iter_routing=3", "--stop_gradient=False", "--use_decoder=True",
                      "--seed=1", "--epochs=50", f"--logdir={folder}", "--precision=bf16",
                      "--decay_steps=143", "--diag_every=100", "--val_every=0",
                      "--progress=false", "--x=1"]
-  assert "--use_decoder=False" in study.train_command(grid["r1_norecon"], 0, folder,
+  assert "--use_decoder=False" in grids.train_command(grid["r1_norecon"], 0, folder,
                                                       settings, [])
-  (multimnist,) = study.GRIDS["multimnist"].variants.values()
-  assert study.train_command(multimnist, 0, folder, settings, [])[2:6] == [
+  (multimnist,) = grids.GRIDS["multimnist"].variants.values()
+  assert grids.train_command(multimnist, 0, folder, settings, [])[2:6] == [
       "--iter_routing=3", "--stop_gradient=True", "--use_decoder=True",
       "--dataset=multimnist"]
   # Two schedules of one variant: a row each, and only the small files published.
@@ -126,12 +126,12 @@ def test_table1_grid_commands_and_schedules(tmp_path):
   fake_run(report.run_dir(out, "r3_recon", 0), 0.4, [1.0, 0.5], [0.1, 0.2], epochs=2)
   fake_run(report.run_dir(out, "r3_recon", 0, 143), 0.3, [0.9, 0.4], [0.1, 0.3], epochs=2)
   open(os.path.join(report.run_dir(out, "r3_recon", 0), "model.ckpt-1.index"), "w").close()
-  rows = report.summarize(out, study.GRIDS["table1"], ["r3_recon"], [0], 2, (2000, 143))
+  rows = report.summarize(out, grids.GRIDS["table1"], ["r3_recon"], [0], 2, (2000, 143))
   assert [(r["variant"], r["decay_steps"], r["test_error_mean"]) for r in rows] == [
       ("r3_recon", 2000, 0.4), ("r3_recon", 143, 0.3)]
   assert rows[0]["use_decoder"] is True and rows[0]["stop_gradient"] is True
   published = str(tmp_path / "published")
-  report.report(rows, published, study.GRIDS["table1"])
+  report.report(rows, published, grids.GRIDS["table1"])
   report.publish(out, rows, published)
   assert sorted(os.listdir(published)) == [
       "diagnostic.png", "r3_recon_decay143_seed0", "r3_recon_seed0", "results.json",
@@ -244,15 +244,15 @@ def test_seed_aggregation_comparison_and_band_plot(tmp_path):
              epochs=15, every_epoch=True)
   fake_run(report.run_dir(out, "r1_recon", 0), 0.37, vals(0.36), [0.0], epochs=15,
            complete=False, every_epoch=True)
-  rows = report.summarize(out, study.GRIDS["table1"], ["r3_recon", "r3_recon_nostop", "r1_recon"],
+  rows = report.summarize(out, grids.GRIDS["table1"], ["r3_recon", "r3_recon_nostop", "r1_recon"],
                          range(3), 15)
   stop, nostop, r1 = rows
   np.testing.assert_allclose(stop["last_val_errors"], [0.40, 0.44, 0.41])
   np.testing.assert_allclose([stop["last_val_error_mean"], stop["last_val_error_std"]],
                              [0.416667, np.std([0.40, 0.44, 0.41], ddof=1)], atol=1e-6)
   assert r1["last_val_errors"] == [] and r1["runs"][0]["last_val_error"] is None
-  pairs = study.parse_pairs(["r3_recon:r3_recon_nostop", "r3_recon:r1_recon"],
-                            study.GRIDS["table1"].variants)
+  pairs = grids.parse_pairs(["r3_recon:r3_recon_nostop", "r3_recon:r1_recon"],
+                            grids.GRIDS["table1"].variants)
   comparisons = report.compare(rows, pairs)
   assert [(c["a"], c["b"]) for c in comparisons] == [
       ("r3_recon", "r3_recon_nostop"), ("r3_recon", "r1_recon")]
@@ -262,7 +262,7 @@ def test_seed_aggregation_comparison_and_band_plot(tmp_path):
   late = comparisons[0]["last_val_error"]
   np.testing.assert_allclose(late["diffs"], [0.02, 0.02, -0.01], atol=1e-9)
   assert comparisons[1]["test_error"] is None   # r1_recon has no finished seed
-  table = report.markdown(rows, study.GRIDS["table1"], comparisons)
+  table = report.markdown(rows, grids.GRIDS["table1"], comparisons)
   assert ("| r3_recon | 2000 | 3 | 0.403 ± 0.025 | 0.38 (seed 0), 0.43 (seed 1), "
           "0.40 (seed 2) | 0.417 ± 0.021 | 0.400 (seed 0), 0.440 (seed 1), "
           "0.410 (seed 2) |") in table
@@ -272,13 +272,13 @@ def test_seed_aggregation_comparison_and_band_plot(tmp_path):
           "is [-0.090, +0.183] |") in table
   assert "| r3_recon | r1_recon | 2000 | test error" in table and "no paired seeds" in table
   with pytest.raises(ValueError, match="--compare=r3_recon:r9: expected A:B"):
-    study.parse_pairs(["r3_recon:r9"], study.GRIDS["table1"].variants)
+    grids.parse_pairs(["r3_recon:r9"], grids.GRIDS["table1"].variants)
   # The band: mean, lowest and highest seed at each epoch; a seed in progress
   # counts where it has points.
   xs, means, lows, highs = report.band([[(1, 1.0), (2, 0.5)], [(1, 3.0), (2, 0.7)],
                                        [(1, 2.0)]])
   assert xs == [1, 2] and means == [2.0, 0.6] and lows == [1.0, 0.5] and highs == [3.0, 0.7]
-  report.report(rows, str(tmp_path / "report"), study.GRIDS["table1"], comparisons)
+  report.report(rows, str(tmp_path / "report"), grids.GRIDS["table1"], comparisons)
   assert open(tmp_path / "report" / "val_error.png", "rb").read(8) == b"\x89PNG\r\n\x1a\n"
   saved = json.load(open(tmp_path / "report" / "results.json"))
   assert sorted(saved) == ["comparisons", "rows"] and len(saved["rows"]) == 3
@@ -292,15 +292,15 @@ def test_routing_summary_counts_changed_predictions(tmp_path):
   labels = [0, 1, 2, 3, 4]
   own = (result(3, [2.3026, 2.30, 2.29], [0.1, 0.11, 0.12]), (labels, [0, 1, 9, 9, 4]))
   other = (result(1, [2.3026], [0.1]), (labels, [0, 7, 2, 8, 4]))
-  m = study.routing_summary(own, other)
+  m = grids.routing_summary(own, other)
   # changed: image 1 (right -> wrong: broken), 2 (wrong -> right: fixed),
   # 3 (wrong -> wrong).
   assert (m["changed"], m["fixed"], m["broken"]) == (3, 1, 1)
   assert m["own"]["errors"] == 2 and m["other"]["errors"] == 2 and m["images"] == 5
   assert m["own"]["entropy"] == [2.3026, 2.30, 2.29] and m["other"]["iter_routing"] == 1
-  assert study.other_routing(3) == 1 and study.other_routing(1) == 3
+  assert grids.other_routing(3) == 1 and grids.other_routing(1) == 3
   with pytest.raises(ValueError, match="different images"):
-    study.routing_summary(own, (other[0], ([1, 1, 2, 3, 4], [0, 7, 2, 8, 4])))
+    grids.routing_summary(own, (other[0], ([1, 1, 2, 3, 4], [0, 7, 2, 8, 4])))
 
 
 def test_averaged_weights_figures(tmp_path):
@@ -339,17 +339,17 @@ def test_short_protocol_tables_compare_its_three_measures(tmp_path):
         json.dump({"error_percent": aff, "count": 10000,
                    "sweep": [{"max_rotation_deg": d, "error_percent": aff * (1 + d / 20)}
                              for d in (0, 20, 45)]}, f)
-  rows = report.summarize(out, study.GRIDS["short"], ["r3_recon", "r3_recon_nostop"], range(3), 5, (14,))
+  rows = report.summarize(out, grids.GRIDS["short"], ["r3_recon", "r3_recon_nostop"], range(3), 5, (14,))
   stop, nostop = rows
   np.testing.assert_allclose(stop["measures"]["affine_error"]["values"], [3.0, 3.2, 3.1])
   assert stop["measures"]["test_margin_loss"]["mean"] == pytest.approx(0.0205)
-  pairs = study.parse_pairs(["r3_recon:r3_recon_nostop"], study.GRIDS["short"].variants)
+  pairs = grids.parse_pairs(["r3_recon:r3_recon_nostop"], grids.GRIDS["short"].variants)
   comparisons = report.compare(rows, pairs, report.SHORT_FIGURES)
   (c,) = comparisons
   assert c["test_error"]["called"] and c["test_margin_loss"]["called"]
   assert not c["affine_error"]["called"]
   np.testing.assert_allclose(c["affine_error"]["diffs"], [0.1, 0.1, -0.1], atol=1e-9)
-  table = report.markdown(rows, study.GRIDS["short"], comparisons)
+  table = report.markdown(rows, grids.GRIDS["short"], comparisons)
   assert ("| r3_recon | 3 | 1.05 ± 0.05 | 1.00 (0), 1.10 (1), 1.05 (2) | 0.02050 ± "
           "0.00050 | 0.02000 (0), 0.02100 (1), 0.02050 (2) | 3.10 ± 0.10 | 3.00 (0), "
           "3.20 (1), 3.10 (2) |") in table
@@ -360,7 +360,7 @@ def test_short_protocol_tables_compare_its_three_measures(tmp_path):
   assert f"| within [{lo:+.3f}, {hi:+.3f}] |" in table
   assert "| r3_recon_decay14_seed0 | 3.00 | 6.00 | 9.75 |" in table   # the sweep
   shipped = [(0, 0.7), (20, 1.7), (45, 8.4)]
-  table = report.report(rows, str(tmp_path / "report"), study.GRIDS["short"], comparisons,
+  table = report.report(rows, str(tmp_path / "report"), grids.GRIDS["short"], comparisons,
                         shipped)
   assert "The shipped weights (pretrained/r3_recon, 50 epochs), same sweep: 0°: 0.70" in table
   assert {"affine.png", "affine_sweep.png", "val_error.png"} <= set(
@@ -384,14 +384,14 @@ def test_short_report_shows_ties_and_the_selection_free_loss(tmp_path):
       with open(os.path.join(folder, "test_results.json"), "w") as f:
         json.dump({"error_percent": 1.0, "count": 10000,
                    "checkpoint": os.path.join(folder, "best", "model.ckpt-20")}, f)
-  rows = report.summarize(out, study.GRIDS["short"], ["r3_recon", "r3_recon_nostop"], range(2), 1, (14,))
+  rows = report.summarize(out, grids.GRIDS["short"], ["r3_recon", "r3_recon_nostop"], range(2), 1, (14,))
   run = rows[0]["runs"][1]
   assert run["tied_steps"] == [20, 30] and run["selected_step"] == 20
   assert run["last_val_loss"] == pytest.approx(0.040)
   pairs = [("r3_recon", "r3_recon_nostop")]
   descriptive = report.compare(rows, pairs, report.SELECTION_FREE)
   assert descriptive[0]["last_val_loss"]["diffs"] == pytest.approx([-0.001, -0.001])
-  text = report.markdown(rows, study.GRIDS["short"],
+  text = report.markdown(rows, grids.GRIDS["short"],
                          report.compare(rows, pairs, report.SHORT_FIGURES), descriptive)
   assert "| r3_recon_decay14_seed1 | 20 | 20, 30 | 0.04000 |" in text
   assert "validation loss at the last step (selection-free; descriptive)" in text

@@ -1,3 +1,2 @@
-"""Using what training made: the SavedModel export (serving), the pictures
-eval.py draws (pictures), a study's report from its runs' files (report)
-and the statistics it reports (stats)."""
+"""Using what training made: the SavedModel export (serving) and the
+pictures eval.py draws (pictures)."""

@@ -15,7 +15,7 @@ from capsnet.data import tasks
 from capsnet.running import files
 from capsnet.running import runs
 from capsnet.running import schedule
-from capsnet.using import stats
+from capsnet.science import stats
 
 LAST_EPOCHS = 10   # the decision rule's late validation figure: mean of the last 10
 

@@ -1,0 +1,243 @@
+"""The routing studies' machinery: the grids and their variants, training
+and scoring a run (train.py and eval.py as processes), and a grid's whole
+run and report. `python -m capsnet.study` is its command line; the
+protocols: docs/table1.md, docs/short.md.
+"""
+import collections
+import os
+import subprocess
+import sys
+
+from capsnet.data import tasks
+from capsnet.running import host
+from capsnet.running import runs
+from capsnet.science import report
+
+
+# Weight averaging of the variants that use it: a time constant of 1,000
+# steps, about 2.3 epochs of 429 steps.
+EMA_DECAY = 0.999
+
+
+_RECON = dict(stop_gradient=True, use_decoder=True)
+
+
+GRIDS = {g.name: g for g in (
+    report.Grid("stop_gradient", "CapsNet on MNIST: routing variants", {
+        "r1": dict(iter_routing=1, stop_gradient=True),
+        "r2_stop": dict(iter_routing=2, stop_gradient=True),
+        "r2_nostop": dict(iter_routing=2, stop_gradient=False),
+        "r3_stop": dict(iter_routing=3, stop_gradient=True),
+        "r3_nostop": dict(iter_routing=3, stop_gradient=False)}),
+    report.Grid("table1", "CapsNet on MNIST: the rows of Table 1", {
+        "r1_norecon": dict(iter_routing=1, stop_gradient=True, use_decoder=False),
+        "r1_recon": dict(iter_routing=1, **_RECON),
+        "r3_norecon": dict(iter_routing=3, stop_gradient=True, use_decoder=False),
+        "r3_recon": dict(iter_routing=3, **_RECON),
+        "r3_recon_nostop": dict(iter_routing=3, stop_gradient=False, use_decoder=True),
+        # Issue 24: the official code's loss balance (reconstruction 0.01 against
+        # the summed margin loss), then also its layers; both average weights.
+        "r3_recon_balance": dict(iter_routing=3, **_RECON, recon_weight=0.01,
+                                 ema_decay=EMA_DECAY),
+        "r3_recon_official": dict(iter_routing=3, **_RECON, recon_weight=0.01,
+                                  capsule_layers="official", ema_decay=EMA_DECAY)}),
+    # The short protocol (docs/short.md): the stop_gradient question in runs
+    # that fit a sitting, 5 epochs with --decay_steps=14, blocks of seeds; its
+    # three measures, each finished run scored on the affine sets.
+    report.Grid("short", "CapsNet on MNIST: the short protocol (5 epochs)", {
+        "r1_recon": dict(iter_routing=1, **_RECON),
+        "r3_recon": dict(iter_routing=3, **_RECON),
+        "r3_recon_nostop": dict(iter_routing=3, stop_gradient=False, use_decoder=True)},
+        measures=report.SHORT_FIGURES, unit="block", affine=True,
+        descriptive=report.SELECTION_FREE, within=True,
+        note=" (nine intervals at 95% each, not corrected for multiplicity)"),
+    # Section 6: an epoch is 55,000 pairs drawn on the fly.
+    report.Grid("multimnist", "CapsNet on MultiMNIST (both digits right)", {
+        "r3_recon": dict(iter_routing=3, **_RECON, dataset="multimnist")}),
+)}
+
+
+AFFINE_SWEEP = tuple(range(0, 50, 5))   # the severity sweep's largest rotations
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the repository
+
+
+def train_command(spec, seed, folder, settings, extra):
+  """The train.py command of one run; `spec` holds the variant's flags."""
+  variant_flags = [f"--{k}={v}" for k, v in spec.items()]
+  return [sys.executable, os.path.join(ROOT, "train.py"), *variant_flags,
+          f"--seed={seed}", f"--epochs={settings['epochs']}", f"--logdir={folder}",
+          f"--precision={settings['precision']}",
+          f"--decay_steps={settings['decay_steps']}",
+          f"--diag_every={settings['diag_every']}",
+          f"--val_every={settings['val_every']}", "--progress=false", *extra]
+
+
+def parse_pairs(specs, variants):
+  """[(A, B)] from ["A:B", ...]; raises ValueError naming a bad entry."""
+  pairs = []
+  for spec in specs:
+    names = spec.split(":")
+    if len(names) != 2 or not all(n in variants for n in names) or names[0] == names[1]:
+      raise ValueError(f"--compare={spec}: expected A:B, two different variants "
+                       f"of {list(variants)}")
+    pairs.append(tuple(names))
+  return pairs
+
+
+def run_one(spec, seed, folder, settings, extra):
+  """Trains (or resumes) one run, its output in <folder>.log; exits on failure."""
+  print(f"{os.path.basename(folder)}: training in {folder}", flush=True)
+  os.makedirs(folder, exist_ok=True)
+  runs.RunFolder(folder).record_host(dict(host.describe(), commit=_commit()))
+  with open(folder + ".log", "a") as log:
+    rc = subprocess.call(train_command(spec, seed, folder, settings, extra),
+                         stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+  if rc:
+    sys.exit(f"study: error: {os.path.basename(folder)} failed (exit {rc}); "
+             f"see {folder}.log")
+
+
+def _commit():
+  """The work tree's commit (with "+changes" if it differs), or None."""
+  try:
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                          text=True, check=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                           cwd=ROOT, capture_output=True, text=True).stdout.strip()
+  except (OSError, subprocess.CalledProcessError):
+    return None
+  return head + ("+changes" if dirty else "")
+
+
+def other_routing(iter_routing):
+  """The routing count a run is also evaluated with: 1 (uniform couplings)
+  for a model trained with r > 1, 3 for one trained with r = 1."""
+  return 1 if iter_routing > 1 else 3
+
+
+def measure_routing(folder, iter_routing):
+  """routing.json of a finished run: eval.py on its best checkpoint with its
+  own routing count and with `other_routing`, on the test set; the per
+  iteration couplings figures and how many predictions the other count
+  changes (fixed: wrong before, right after; broken: the reverse).
+
+  Returns: the routing.json dict. Exits if eval.py fails.
+  """
+  results = {}
+  for r in (iter_routing, other_routing(iter_routing)):
+    out = evaluate(folder, os.path.join(folder, f"routing_r{r}"), folder + ".log",
+                   f"--iter_routing={r}")
+    predictions = out.predictions()
+    results[r] = out.results(), (predictions["label"], predictions["prediction"])
+  summary = routing_summary(results[iter_routing], results[other_routing(iter_routing)])
+  runs.RunFolder(folder).write_json(runs.ROUTING_FILE, summary)
+  return summary
+
+
+def evaluate(checkpoint, out_dir, log_path, *args, program="study"):
+  """eval.py on `checkpoint` (a run folder: its best checkpoint), with
+  `args`, into `out_dir` (its output appended to `log_path`). Returns: the
+  runs.EvalFolder. Exits if eval.py fails."""
+  cmd = [sys.executable, os.path.join(ROOT, "eval.py"), f"--checkpoint={checkpoint}",
+         *args, f"--out_dir={out_dir}", "--num_images=8", "--figure4_images=1"]
+  with open(log_path, "a") as log:
+    rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+  if rc:
+    sys.exit(f"{program}: error: eval.py {' '.join(args)} on {checkpoint} failed (exit {rc}); "
+             f"see {log_path}")
+  return runs.EvalFolder(out_dir)
+
+
+def measure_affine(folder, sweep, out_folder=None):
+  """affine_results.json of a finished run: eval.py on its best checkpoint,
+  on the affine test set and the sets of the `sweep`'s largest rotations.
+
+  Args:
+    out_folder: where affine_results.json goes (default: the run's folder).
+  Returns: the affine_results.json dict. Exits if eval.py fails.
+  """
+  out_folder = out_folder or folder
+  res = evaluate(folder, os.path.join(out_folder, "eval_affine"),
+                 out_folder.rstrip("/") + ".log", "--split=affine",
+                 f"--affine_sweep={','.join(str(d) for d in sweep)}").results()
+  result = {k: res[k] for k in ("checkpoint", "count", "error_percent",
+                                "margin_loss_mean", "iter_routing", "weights", "affine",
+                                "sweep")}
+  runs.RunFolder(out_folder).write_json(runs.AFFINE_RESULTS_FILE, result)
+  return result
+
+
+def routing_summary(own, other):
+  """routing.json from two (eval.py results.json, (labels, predictions)).
+
+  Returns: {"checkpoint", "uniform_entropy", "own": ..., "other": ...} each
+    with iter_routing, errors, error_percent, entropy and max_c per
+    iteration; "changed", "fixed", "broken": predictions of `other` that
+    differ from `own`'s, of which right only with `other`, right only with
+    `own`.
+  """
+  (res_a, (labels, pred_a)), (res_b, (labels_b, pred_b)) = own, other
+  if labels != labels_b:
+    raise ValueError("routing_summary: the two evaluations scored different images")
+  def part(res, pred):
+    return {"iter_routing": res["iter_routing"], "error_percent": res["error_percent"],
+            "errors": sum(p != y for p, y in zip(pred, labels)),
+            "entropy": res["routing_entropy"], "max_c": res["routing_max_c"]}
+  changed = [(a, b, y) for a, b, y in zip(pred_a, pred_b, labels) if a != b]
+  return {"checkpoint": res_a["checkpoint"], "images": len(labels),
+          "uniform_entropy": res_a["routing_uniform_entropy"],
+          "own": part(res_a, pred_a), "other": part(res_b, pred_b),
+          "changed": len(changed), "fixed": sum(b == y for _, b, y in changed),
+          "broken": sum(a == y for a, _, y in changed)}
+
+
+# Where a grid's runs and report go and what is done there (`main`'s flags).
+Where = collections.namedtuple("Where", [
+    "out",       # the runs (checkpoints included) and the report
+    "publish",   # also the report and each run's small files here, or ""
+    "train",     # train missing runs (else: score and report only)
+    "routing",   # measure how far routing moves the couplings
+    "shipped"])  # the shipped weights, scored once on the affine sweep, or ""
+
+
+def run_grid(grid, variants, seeds, schedules, settings, extra, pairs, sweep, where):
+  """Trains and scores what is missing, then reports (`main`'s checked flags)."""
+  out, epochs = where.out, settings["epochs"]
+  os.makedirs(out, exist_ok=True)
+  for seed, decay_steps, name in ((s, d, n) for s in seeds for d in schedules
+                                  for n in variants):
+    folder, spec = report.run_dir(out, name, seed, decay_steps), grid.variants[name]
+    if report.is_complete(folder, epochs):
+      print(f"{os.path.basename(folder)}: complete, skipped")
+    elif where.train:
+      run_one(spec, seed, folder, dict(settings, decay_steps=decay_steps), extra)
+    scored = (report.is_complete(folder, epochs)
+              and bool(runs.RunFolder(folder).checkpoints("best")))
+    if (where.routing and scored
+        and tasks.get(spec.get("dataset", tasks.DEFAULT)).heads == "one_digit"
+        and runs.RunFolder(folder).read_json(runs.ROUTING_FILE) is None):
+      print(f"{os.path.basename(folder)}: measuring routing", flush=True)
+      measure_routing(folder, spec["iter_routing"])
+    if (grid.affine and sweep and scored
+        and runs.RunFolder(folder).read_json(runs.AFFINE_RESULTS_FILE) is None):
+      print(f"{os.path.basename(folder)}: scoring the affine test set", flush=True)
+      measure_affine(folder, sweep)
+  shipped = os.path.join(out, report.SHIPPED)
+  if (grid.affine and sweep and where.shipped
+      and runs.RunFolder(shipped).read_json(runs.AFFINE_RESULTS_FILE) is None):
+    print(f"{where.shipped}: scoring the affine test set", flush=True)
+    os.makedirs(shipped, exist_ok=True)
+    measure_affine(where.shipped, sweep, shipped)
+  rows = report.summarize(out, grid, variants, seeds, epochs, schedules)
+  comparisons = report.compare(rows, pairs, grid.measures)
+  descriptive = report.compare(rows, pairs, grid.descriptive) if grid.descriptive else ()
+  reference = report.shipped_sweep(out)
+  table = report.report(rows, out, grid, comparisons, reference, descriptive)
+  if where.publish:
+    report.report(rows, where.publish, grid, comparisons, reference, descriptive)
+    report.publish(out, rows, where.publish)
+    if reference:   # (its affine_results.json)
+      runs.RunFolder(shipped).copy_small_files(os.path.join(where.publish, report.SHIPPED))
+  print(table)
