@@ -38,7 +38,6 @@ from capsnet.model import network  # noqa: E402
 from capsnet.running import averaging  # noqa: E402
 from capsnet.running import evaluation  # noqa: E402
 from capsnet.running import cluster_spec  # noqa: E402
-from capsnet.running import distributed  # noqa: E402
 from capsnet.running import planner  # noqa: E402
 from capsnet.running import recording  # noqa: E402
 from capsnet.running import roles  # noqa: E402
@@ -115,23 +114,23 @@ def build_graph(cfg, s, task, role, devices, fixed_batch):
   """Everything train.py runs, in one finalized tf.Graph: the input
   pipeline, the towers' gradients (`network.tower_gradients`) and Adam, the
   validation graph, the gradient diagnostic on `fixed_batch` (images,
-  labels, targets or None) and the run's state. In a cluster (`role.info`)
-  the variables live on the ps tasks and, with --sync, the optimizer
-  aggregates one gradient per worker (`distributed`)."""
+  labels, targets or None) and the run's state, placed by the role (in a
+  cluster the variables live on the ps tasks and, with --sync, the
+  optimizer aggregates one gradient per worker: the role's `placement`)."""
+  place = role.placement
   graph = tf.Graph()
-  with graph.as_default(), distributed.device_scope(role.info):
+  with graph.as_default(), place.scope():
     tf.compat.v1.set_random_seed(s.seed)
     state = run_state.RunState()
     pipe = task.train_pipeline([cfg.image_size, cfg.image_size, cfg.image_channels],
-                               s.batch_size, (role.index, role.workers))
+                               s.batch_size, place.shard)
     images, labels, targets = pipe.batch
     lr = tf.compat.v1.train.exponential_decay(
         s.learning_rate, state.global_step, s.decay_steps, s.decay_rate)
-    opt = distributed.wrap_optimizer(tf.compat.v1.train.AdamOptimizer(lr), role.info,
-                                     s.sync)
+    opt = place.optimizer(tf.compat.v1.train.AdamOptimizer(lr))
     grads, outs = network.tower_gradients(
         images, labels, cfg, opt, devices, targets=targets,
-        variable_device=distributed.variable_device(role.info), heads=task.heads)
+        variable_device=place.variable_device(), heads=task.heads)
     train_op = opt.apply_gradients(grads, state.global_step)
     loss = network.tower_mean([o.loss for o in outs])
     accuracy = network.tower_mean([o.accuracy for o in outs])
@@ -152,7 +151,7 @@ def build_graph(cfg, s, task, role, devices, fixed_batch):
           cfg, s.ema_decay, s.eval_batch_size, state, train_op, devices[0], task)
     state.add_savers()
     init = tf.compat.v1.global_variables_initializer()
-    coordination = distributed.coordination(role.info, opt)
+    coordination = place.coordination(opt)
   graph.finalize()
   return TrainGraph(graph, state, pipe, lr, train_op, loss, accuracy, summary, ev,
                     eval_averaged, diag, init, coordination)
@@ -166,24 +165,23 @@ def train(cfg, s, task, role, folder, splits):
   with status 128 + the signal's number. Only the process that `writes`
   restores, validates, saves and writes.
   """
-  devices = distributed.worker_devices(role.info, config.tower_devices(s.device, s.num_gpus))
+  place = role.placement
+  devices = place.devices(config.tower_devices(s.device, s.num_gpus))
   g = build_graph(cfg, s, task, role, devices, task.fixed_batch(splits))
-  proto = distributed.session_config(
-      role.info, config.session_config(devices, s.log_device_placement))
-  stop = stopping.StopRequest(relay=role.relays_stops)
-  steps = len(splits["train"][0]) // (s.batch_size * role.workers)   # an epoch's
-  step_images = s.batch_size * role.workers
-  with stop.installed(), role.session(g, proto, folder, stop) as (sess, pos, resumed):
+  proto = place.session_config(config.session_config(devices, s.log_device_placement))
+  workers = place.shard[1]
+  steps = len(splits["train"][0]) // (s.batch_size * workers)   # an epoch's
+  step_images = s.batch_size * workers
+  with role.session(g, proto, folder) as (sess, pos, resumed, stop):
     writer = (recording.start_writing(g, s, cfg, pos, resumed) if role.writes
-              else distributed.NullWriter())
+              else recording.NullWriter())
     run = recording.Run(sess, g, s, folder, splits, writer, stop, role.before_save,
                         steps * step_images)
     with contextlib.closing(writer):
       if role.writes and resumed:
         recording.keep_epoch(run, pos)
       while pos.epoch < s.epochs and not out_of_steps(s, pos) and not stop.requested:
-        done = start_epoch(sess, g, s, task, pos, splits["train"],
-                           (role.index, role.workers))
+        done = start_epoch(sess, g, s, task, pos, splits["train"], place.shard)
         bar = tqdm.tqdm(total=steps, initial=done, desc=f"epoch {pos.epoch + 1}/{s.epochs}",
                         disable=not s.progress, dynamic_ncols=True)
         start, val_seconds, images = time.time(), 0.0, 0

@@ -128,9 +128,13 @@ def test_the_role_is_chosen_once_from_the_cluster():
   assert [type(r).__name__ for r in (one, chief, worker)] == ["OneProcess", "Chief", "Worker"]
   assert [r.writes for r in (one, chief, worker)] == [True, True, False]
   assert (one.plans, chief.plans, worker.plans) == (True, False, False)
-  assert [(r.index, r.workers) for r in (one, chief, worker)] == [(0, 1), (0, 2), (1, 2)]
+  # Each one's shard of every epoch (index, workers), from its placement: one
+  # process places nothing (no call into `distributed`), a task by the cluster.
+  assert [r.placement.shard for r in (one, chief, worker)] == [(0, 1), (0, 2), (1, 2)]
   assert [r.relays_stops for r in (one, chief, worker)] == [False, False, True]
-  assert one.info is None and worker.info.index == 1
+  assert isinstance(one.placement, roles.LocalPlacement) and worker.info.index == 1
+  assert one.placement.devices(["/cpu:0"]) == ["/cpu:0"]
+  assert worker.placement.devices(["/cpu:0"]) == ["/job:worker/task:1/cpu:0"]
   assert tf.errors.UnavailableError in worker.gone
   # The interface the loop calls: three hooks, the same names on every role.
   hooks = {n for n in vars(roles.OneProcess) if not n.startswith("_")

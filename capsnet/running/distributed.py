@@ -66,37 +66,47 @@ class Halted(Exception):
     self.signum, self.step = signum, step
 
 
-def variable_device(info):
-  """The device function that puts variables on the ps tasks (round robin)
-  and everything else on this worker, or None for a single process."""
-  if info is None:
-    return None
-  return tf.compat.v1.train.replica_device_setter(
-      cluster=tf.train.ClusterSpec(info.spec),
-      worker_device=f"/job:worker/task:{info.index}")
+class Placement:
+  """Where a cluster's task builds and runs its graph: the variables on the
+  ps tasks, everything else on this worker, its shard of each epoch's data,
+  and with --sync one aggregated update per step (a single process has
+  `roles.LocalPlacement`, which places nothing)."""
 
+  def __init__(self, info, sync):
+    self.info, self.sync = info, sync
+    self.shard = (info.index, cluster_spec.num_workers(info))   # (index, workers)
 
-def device_scope(info):
-  """The scope that builds a worker's graph (nothing for one process)."""
-  setter = variable_device(info)
-  return contextlib.nullcontext() if setter is None else tf.compat.v1.device(setter)
+  def variable_device(self):
+    """A device function that puts variables on the ps tasks (round robin)
+    and everything else on this worker."""
+    return tf.compat.v1.train.replica_device_setter(
+        cluster=tf.train.ClusterSpec(self.info.spec),
+        worker_device=f"/job:worker/task:{self.info.index}")
 
+  def scope(self):
+    """The scope that builds the worker's graph."""
+    return tf.compat.v1.device(self.variable_device())
 
-def worker_devices(info, devices):
-  """Tower devices of this worker: '/cpu:0' -> '/job:worker/task:i/cpu:0'."""
-  if info is None:
-    return devices
-  return [f"/job:worker/task:{info.index}{d}" for d in devices]
+  def devices(self, devices):
+    """Tower devices of this worker: '/cpu:0' -> '/job:worker/task:i/cpu:0'."""
+    return [f"/job:worker/task:{self.info.index}{d}" for d in devices]
 
+  def optimizer(self, optimizer):
+    """SyncReplicasOptimizer aggregating one gradient per worker (--sync), or
+    the optimizer itself (asynchronous updates)."""
+    if not self.sync:
+      return optimizer
+    workers = self.shard[1]
+    return tf.compat.v1.train.SyncReplicasOptimizer(
+        optimizer, replicas_to_aggregate=workers, total_num_replicas=workers)
 
-def wrap_optimizer(optimizer, info, sync):
-  """SyncReplicasOptimizer aggregating one gradient per worker (--sync), or
-  the optimizer itself (one process, or asynchronous updates)."""
-  if info is None or not sync:
-    return optimizer
-  workers = cluster_spec.num_workers(info)
-  return tf.compat.v1.train.SyncReplicasOptimizer(
-      optimizer, replicas_to_aggregate=workers, total_num_replicas=workers)
+  def coordination(self, optimizer):
+    return coordination(self.info, optimizer)
+
+  def session_config(self, proto):
+    """Workers talk to the ps tasks and themselves, not to each other."""
+    proto.device_filters[:] = ["/job:ps", f"/job:worker/task:{self.info.index}"]
+    return proto
 
 
 def _done_queue(task):
@@ -108,8 +118,6 @@ def _done_queue(task):
 def coordination(info, optimizer):
   """The ops the processes coordinate with (built after the model, so that
   the model's initial weights are those of a single process)."""
-  if info is None:
-    return None
   ready = tf.compat.v1.report_uninitialized_variables(tf.compat.v1.global_variables())
   local_init = tf.compat.v1.local_variables_initializer()
   ready_for_local, chief_init, runner = None, local_init, None
@@ -259,13 +267,6 @@ def watching(sess, coord, info, grace_secs):
     watch.close()
 
 
-def session_config(info, proto):
-  """Workers talk to the ps tasks and themselves, not to each other."""
-  if info is not None:
-    proto.device_filters[:] = ["/job:ps", f"/job:worker/task:{info.index}"]
-  return proto
-
-
 def start_server(info):
   return tf.distribute.Server(tf.train.ClusterSpec(info.spec), job_name=info.job,
                               task_index=info.index, start=True)
@@ -381,16 +382,3 @@ def serve_ps(info, idle_check_secs=30):
       if looks % idle_check_secs == 0:
         silent = 0 if cluster_spec.any_reachable(info.spec["worker"]) else silent + 1
   return "no worker answers", stop.signum
-
-
-class NullWriter:
-  """What a worker other than the chief writes events with: nothing."""
-
-  def add_summary(self, *args):
-    pass
-
-  def flush(self):
-    pass
-
-  def close(self):
-    pass

@@ -160,3 +160,17 @@ def record_diagnostic(run, pos):
 def epoch_of(run, pos):
   """Where `pos` is in epochs (3 decimals), for a row."""
   return round(pos.epoch + pos.examples / run.epoch_images, 3)
+
+
+class NullWriter:
+  """What a process that does not write the run folder (a cluster's worker
+  other than the chief) writes events with: nothing."""
+
+  def add_summary(self, *args):
+    pass
+
+  def flush(self):
+    pass
+
+  def close(self):
+    pass

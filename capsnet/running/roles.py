@@ -4,14 +4,16 @@
 folder) or another worker (`Worker`). A ps task runs no loop: it serves the
 variables (`serve`).
 
-Every role builds the same graph (in a cluster, `distributed` places it by
-the role's `info`) and runs train.py's one loop. What differs is asked of
-the role in three hooks: `session` (how it opens, restores or waits for the
+Every role builds the same graph, placed by its `placement` (one process:
+`LocalPlacement`, nothing placed; a task: `distributed.Placement`), and runs
+train.py's one loop. What differs is asked of the role in three hooks:
+`session` (the stop signals caught, how it opens, restores or waits for the
 chief, watches the other workers, and how the run ends with them),
 `run_step` (a step's session run and the coordination after it) and
 `before_save` (the chief waits for the step's update). The loop reads
 `writes` (the one process that restores, validates, saves and writes the
-run folder, as nanoGPT's `master_process`); `main` reads `plans`.
+run folder, as nanoGPT's `master_process`); `main` reads `plans`
+(docs/cluster.md).
 """
 import contextlib
 import signal
@@ -23,6 +25,7 @@ from capsnet.running import cluster_spec
 from capsnet.running import distributed
 from capsnet.running import run_state
 from capsnet.running import runs
+from capsnet.running import stopping
 
 
 def choose(info, sync=True, wait_secs=60):
@@ -42,19 +45,50 @@ def serve(info):
   return 128 + signum if signum else 0
 
 
+class LocalPlacement:
+  """Where the run's only process builds and runs its graph: as built, on its
+  own devices, with all of each epoch's data (a cluster's task has
+  `distributed.Placement`)."""
+  shard = (0, 1)   # (this worker's index, workers): the whole epoch
+
+  def scope(self):
+    return contextlib.nullcontext()
+
+  def devices(self, devices):
+    return devices
+
+  def variable_device(self):
+    return None
+
+  def optimizer(self, optimizer):
+    return optimizer
+
+  def coordination(self, optimizer):
+    del optimizer
+
+  def session_config(self, proto):
+    return proto
+
+
 class OneProcess:
   """The run's only process: it trains, restores, validates, saves, writes."""
-  info = None           # the cluster: none
   writes = True         # restores, validates, saves and writes the run folder
   plans = True          # measures the convolution plan (`planner`) first
   relays_stops = False  # passes a stop signal on to the chief (StopRequest)
-  index, workers = 0, 1  # this worker's shard of each epoch's data
+  placement = LocalPlacement()
 
   @contextlib.contextmanager
-  def session(self, g, proto, folder, stop):
-    """The run's session, the run restored from `folder` (a RunFolder) or
-    initialised: yields (sess, run_state.Position, resumed). The way out
-    ends the run with its other processes (`stop`: the loop's StopRequest)."""
+  def session(self, g, proto, folder):
+    """The run's session, with the stop signals caught, the run restored from
+    `folder` (a RunFolder) or initialised: yields (sess, run_state.Position,
+    resumed, the loop's stopping.StopRequest). The way out ends the run with
+    its other processes."""
+    stop = stopping.StopRequest(relay=self.relays_stops)
+    with stop.installed(), self._session(g, proto, folder, stop) as (sess, pos, resumed):
+      yield sess, pos, resumed, stop
+
+  @contextlib.contextmanager
+  def _session(self, g, proto, folder, stop):
     del stop
     with tf.compat.v1.Session(graph=g.graph, config=proto) as sess:
       yield (sess, *run_state.restore_or_init(sess, g.state, g.init, folder))
@@ -78,7 +112,7 @@ class _Task(OneProcess):
   def __init__(self, info, sync, wait_secs):
     self.info, self.sync, self.wait_secs = info, sync, wait_secs
     self.index = info.index
-    self.workers = cluster_spec.num_workers(info)
+    self.placement = distributed.Placement(info, sync)
     self.coord = self.watch = None
 
   def _open(self, g, proto):
@@ -120,7 +154,7 @@ class Chief(_Task):
   tasks pass on; ends the others at the end, on a stop or on an error."""
 
   @contextlib.contextmanager
-  def session(self, g, proto, folder, stop):
+  def _session(self, g, proto, folder, stop):
     runner = None
     try:
       with self._open(g, proto) as sess:
@@ -159,7 +193,7 @@ class Worker(_Task):
   relays_stops = True
 
   @contextlib.contextmanager
-  def session(self, g, proto, folder, stop):
+  def _session(self, g, proto, folder, stop):
     with self._open(g, proto) as sess, self._watching(sess):
       try:
         yield sess, g.state.load(sess), True   # the chief restored or initialised
