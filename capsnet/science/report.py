@@ -365,8 +365,8 @@ def _selection_table(rows, grid, descriptive):
     return []
   lines = ["", "Beside the registered measures (descriptive, not part of the rule): "
            "the checkpoint each run scored, the steps tied at its lowest validation "
-           "error (train.py then kept the first of them; since issue 41 the lower "
-           "validation loss wins a tie), and the validation loss at the last step, "
+           "error (train.py kept the first of them when these runs trained; it now "
+           "keeps the one with the lower validation loss), and the validation loss at the last step, "
            "which no checkpoint choice touches:", ""] + table(
                ["run", "scored step", "steps tied at the lowest val error",
                 "val loss, last step"],
