@@ -33,7 +33,6 @@ from absl import app
 from absl import flags
 
 from capsnet.running import runs
-from capsnet.running import schedule
 from capsnet.science import along
 from capsnet.science import grids
 
@@ -66,16 +65,10 @@ def main(argv):
   if FLAGS.precision not in ("fp32", "bf16"):
     sys.exit(f"along: error: --precision={FLAGS.precision}: expected fp32 or bf16")
   seeds = range(FLAGS.first_seed, FLAGS.first_seed + FLAGS.seeds)
-  publish = (None if os.path.abspath(FLAGS.publish or FLAGS.out) == os.path.abspath(
-      FLAGS.out) else FLAGS.publish)
+  publish = along.publish_folder(FLAGS.publish, FLAGS.out)
   try:
     if FLAGS.train:
-      settings = {"epochs": FLAGS.epochs, "precision": FLAGS.precision,
-                  "decay_steps": schedule.DECAY_STEPS, "diag_every": 100,
-                  "val_every": 0, "kept": kept}
-      os.makedirs(FLAGS.out, exist_ok=True)
-      for seed in seeds:
-        along.run_block(FLAGS.out, seed, settings, publish, extra)
+      along.run_blocks(FLAGS.out, seeds, FLAGS.precision, FLAGS.epochs, kept, publish, extra)
     found = along.collect(FLAGS.out, seeds, kept)
     if not found:
       sys.exit(f"along: error: {FLAGS.out}: no scored run of the protocol for seeds "

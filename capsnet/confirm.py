@@ -23,7 +23,6 @@ from absl import app
 from absl import flags
 
 from capsnet.running import runs
-from capsnet.running import schedule
 from capsnet.science import along
 from capsnet.science import confirm
 from capsnet.science import grids
@@ -58,7 +57,8 @@ def main(argv):
     sys.exit(f"confirm: error: {e}")
   if FLAGS.power:
     try:
-      _, pilot_found = confirm._complete(along.collect(FLAGS.pilot, confirm.PILOT_SEEDS, kept), kept)
+      found = along.collect(FLAGS.pilot, confirm.PILOT_SEEDS, kept)
+      _, pilot_found = confirm._complete(found, kept)
       print("\n".join(confirm.power_lines(pilot_found, kept)))
     except (ValueError, runs.RunError) as e:
       sys.exit(f"confirm: error: --pilot={FLAGS.pilot}: {e}")
@@ -67,19 +67,13 @@ def main(argv):
   if seeds.start < confirm.SEEDS[0] or seeds.stop - 1 > confirm.SEEDS[-1]:
     sys.exit(f"confirm: error: --first_seed={FLAGS.first_seed} --seeds={FLAGS.seeds}: "
              f"the registered seeds are {confirm.SEEDS[0]} to {confirm.SEEDS[-1]}")
-  publish = (None if os.path.abspath(FLAGS.publish or FLAGS.out) == os.path.abspath(
-      FLAGS.out) else FLAGS.publish)
+  publish = along.publish_folder(FLAGS.publish, FLAGS.out)
   if not FLAGS.train and not os.path.isdir(FLAGS.out):
     sys.exit(f"confirm: error: --out={FLAGS.out}: no such folder (expected the "
              "protocol's runs, <variant>_seed<k>/)")
   try:
     if FLAGS.train:
-      settings = {"epochs": FLAGS.epochs, "precision": confirm.PRECISION,
-                  "decay_steps": schedule.DECAY_STEPS, "diag_every": 100,
-                  "val_every": 0, "kept": kept}
-      os.makedirs(FLAGS.out, exist_ok=True)
-      for seed in seeds:
-        along.run_block(FLAGS.out, seed, settings, publish, extra)
+      along.run_blocks(FLAGS.out, seeds, confirm.PRECISION, FLAGS.epochs, kept, publish, extra)
     text = confirm.report(FLAGS.out, kept, FLAGS.pilot, FLAGS.out)
     if publish:    # every block published there, not only this command's
       confirm.report(publish, kept, FLAGS.pilot, publish)

@@ -9,6 +9,7 @@ import sys
 
 from capsnet.running import files
 from capsnet.running import runs
+from capsnet.running import schedule
 from capsnet.science import grids
 from capsnet.science import report as study_report
 from capsnet.science import stats
@@ -78,6 +79,26 @@ def score(folder, epoch, log_path):
     entry[split] = {k: res[k] for k in ("count", "error_percent", "margin_loss_mean",
                                         "routing_entropy", "routing_max_c") if k in res}
   return entry
+
+
+def run_blocks(out, seeds, precision, epochs, kept, publish, extra=()):
+  """Trains (or resumes) and scores the blocks of `seeds` in `out`, each
+  `epochs` long on the paper's schedule, keeping and scoring the `kept`
+  epochs' weights, each run published to `publish` (None: nowhere) as it
+  is scored."""
+  settings = {"epochs": epochs, "precision": precision,
+              "decay_steps": schedule.DECAY_STEPS, "diag_every": 100,
+              "val_every": 0, "kept": kept}
+  os.makedirs(out, exist_ok=True)
+  for seed in seeds:
+    run_block(out, seed, settings, publish, extra)
+
+
+def publish_folder(publish, out):
+  """Where a command's runs and report are published: `publish`, or None
+  where it is `out` itself (or not given)."""
+  same = os.path.abspath(publish or out) == os.path.abspath(out)
+  return None if same else publish
 
 
 def run_block(out, seed, settings, publish, extra=()):
