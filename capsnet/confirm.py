@@ -58,7 +58,7 @@ def main(argv):
   if FLAGS.power:
     try:
       found = along.collect(FLAGS.pilot, confirm.PILOT_SEEDS, kept)
-      _, pilot_found = confirm._complete(found, kept)
+      _, pilot_found = along.complete_blocks(found, kept)
       print("\n".join(confirm.power_lines(pilot_found, kept)))
     except (ValueError, runs.RunError) as e:
       sys.exit(f"confirm: error: --pilot={FLAGS.pilot}: {e}")

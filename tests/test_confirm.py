@@ -69,7 +69,8 @@ def test_holm_steps_down_and_stops_at_the_first_kept_hypothesis():
 
 
 def test_the_registered_power_from_the_committed_pilot():
-  _, pilot = confirm._complete(along.collect(confirm.PILOT, confirm.PILOT_SEEDS, KEPT), KEPT)
+  _, pilot = along.complete_blocks(along.collect(confirm.PILOT, confirm.PILOT_SEEDS, KEPT),
+                                  KEPT)
   lines = confirm.power_lines(pilot, KEPT)
   assert lines[0].endswith("mean +0.072, sd 0.0785")
   assert lines[1].startswith("the smallest n with power >= 0.80 to call 0.06 points "

@@ -270,6 +270,19 @@ def blocks_done(found, kept):
                 if all(set(kept) <= set(found.get(v, {}).get(s, {})) for v in VARIANTS))
 
 
+def only_seeds(found, seeds):
+  """`found` ({variant: {seed: ...}}) with the runs of `seeds` alone."""
+  return {v: {s: m for s, m in per.items() if s in seeds} for v, per in found.items()}
+
+
+def complete_blocks(found, kept):
+  """(the seeds of the complete blocks, `found` with their runs alone): a
+  block is its three runs, each scored at every registered epoch; the runs
+  of an incomplete one (a sitting that ended first) are left out."""
+  done = blocks_done(found, kept)
+  return done, only_seeds(found, done)
+
+
 def plot(table, kept, path):
   """along.png: each pair's paired difference against epoch with its 95%
   interval band, one panel per measure."""
@@ -299,11 +312,9 @@ def plot(table, kept, path):
 
 def report(found, kept, folder):
   """results.md, results.json and along.png into `folder`. Returns the markdown."""
-  done = blocks_done(found, kept)
+  done, complete = complete_blocks(found, kept)
   partial = sorted(_seeds(found) - set(done))
-  # A block is its three runs, each scored at every registered epoch: the
-  # runs of an incomplete one (a sitting that ended first) are left out.
-  found = {v: {s: m for s, m in per.items() if s in done} for v, per in found.items()}
+  found = complete
   table, reversals = compare(found, kept)
   text = markdown(found, table, reversals, kept, len(done), partial)
   os.makedirs(folder, exist_ok=True)

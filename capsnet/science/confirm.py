@@ -156,11 +156,6 @@ def block_facts(folder, seed):
   return {k: " / ".join(str(v) for v in vs) for k, vs in seen.items()}
 
 
-def _complete(found, kept):
-  done = along.blocks_done(found, kept)
-  return done, {v: {s: m for s, m in per.items() if s in done} for v, per in found.items()}
-
-
 def _verdict_lines(decision):
   p, e = decision["primary"], decision["equivalence"]
   if not decision["final"]:
@@ -289,13 +284,13 @@ def report(out, kept, pilot, folder):
   """results.md, results.json and confirm.png into `folder`, from the runs in
   `out` (the registered seeds) and the pilot's in `pilot`. Returns the
   markdown."""
-  found = along.collect(out, SEEDS, kept)
-  done, found = _complete(found, kept)
-  partial = sorted({s for per in along.collect(out, SEEDS, kept).values() for s in per}
-                   - set(done))
+  collected = along.collect(out, SEEDS, kept)   # each run's files read once
+  done, found = along.complete_blocks(collected, kept)
+  partial = sorted({s for per in collected.values() for s in per} - set(done))
   final = len(done) == len(SEEDS)
   decision = decide(found, kept, final)
-  pilot_done, pilot_found = _complete(along.collect(pilot, PILOT_SEEDS, kept), kept)
+  pilot_done, pilot_found = along.complete_blocks(along.collect(pilot, PILOT_SEEDS, kept),
+                                                  kept)
   pooled_found = {v: {**pilot_found.get(v, {}), **found.get(v, {})} for v in along.VARIANTS}
   pooled = [((a, b, name), _difference(pooled_found, (a, b), kept))
             for a, b, name in [PRIMARY, *SECONDARY]]
@@ -303,8 +298,7 @@ def report(out, kept, pilot, folder):
   kinds = {}
   for seed, facts in blocks.items():
     kinds.setdefault(facts["kind"], []).append(seed)
-  by_kind = [(kind, seeds, _difference({v: {s: m for s, m in per.items() if s in seeds}
-                                        for v, per in found.items()}, PRIMARY[:2], kept))
+  by_kind = [(kind, seeds, _difference(along.only_seeds(found, seeds), PRIMARY[:2], kept))
              for kind, seeds in sorted(kinds.items())]
   text = markdown(found, kept, decision, blocks, pooled, pilot_done, by_kind, partial)
   os.makedirs(folder, exist_ok=True)
