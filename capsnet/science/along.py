@@ -218,16 +218,11 @@ def markdown(found, table, reversals, kept, blocks, partial=()):
   lines = [f"# {TITLE}", "",
            f"{blocks} block(s) (seeds {', '.join(map(str, sorted(_seeds(found))))})"
            + ("" if final else ": **interim**, the rule judges five blocks") + "."
-           + (f" Seed(s) {', '.join(map(str, partial))}: an incomplete block (a run "
-              "or a scoring missing), left out until it is complete." if partial else ""),
+           + partial_note(partial),
            "Cells: the paired difference B - A over the blocks, its mean and 95% t "
            "interval; **bold** = called (the interval excludes zero). B - A > 0: A "
            "has the lower loss or error.", ""]
-  for key, what, spec in MEASURES:
-    lines += [f"## {what}", ""] + study_report.table(
-        ["pair (A:B)", *(f"epoch {e}" for e in kept)],
-        [[f"{name} ({a}:{b})", *(stats.cell(table[(a, b)][key].get(e), spec) for e in kept)]
-         for a, b, name in PAIRS]) + [""]
+  lines += measure_tables(table, kept)
   lines += ["## Calls", "",
             f"{n_called} of {n_int} intervals exclude zero; with no difference "
             f"anywhere about {0.05 * n_int:.1f} would by chance (95% each, not "
@@ -260,6 +255,38 @@ def markdown(found, table, reversals, kept, blocks, partial=()):
   return "\n".join(lines) + "\n"
 
 
+def partial_note(partial):
+  """The sentence that names the incomplete blocks left out, or ""."""
+  return (f" Seed(s) {', '.join(map(str, partial))}: an incomplete block (a run or a "
+          "scoring missing), left out until it is complete." if partial else "")
+
+
+def measure_tables(table, kept, heading="##"):
+  """A markdown table per measure: each pair's cell (`stats.cell`) at each
+  registered epoch, under `heading`; below the top (another protocol's
+  descriptive tables) without the pilot's "(primary)"."""
+  lines = []
+  for key, what, spec in MEASURES:
+    what = what if heading == "##" else what.replace(" (primary)", "")
+    lines += [f"{heading} {what}", ""] + study_report.table(
+        ["pair (A:B)", *(f"epoch {e}" for e in kept)],
+        [[f"{name} ({a}:{b})", *(stats.cell(table[(a, b)][key].get(e), spec) for e in kept)]
+         for a, b, name in PAIRS]) + [""]
+  return lines
+
+
+def write_report(folder, text, payload, found):
+  """results.md (`text`) and results.json (`payload` with each run's
+  measures from `found`) in `folder`."""
+  os.makedirs(folder, exist_ok=True)
+  files.atomic_write(os.path.join(folder, "results.md"), text)
+  payload = dict(payload, runs={v: {str(s): {str(e): m for e, m in per.items()}
+                                    for s, per in seeds.items()}
+                                for v, seeds in found.items()})
+  files.atomic_write(os.path.join(folder, "results.json"),
+                     json.dumps(payload, indent=1, sort_keys=True) + "\n")
+
+
 def _seeds(found):
   return {s for per in found.values() for s in per}
 
@@ -283,31 +310,39 @@ def complete_blocks(found, kept):
   return done, only_seeds(found, done)
 
 
+def epoch_band(ax, per, kept, band_label=None, **line):
+  """One pair's paired difference against the registered epochs (`per`:
+  {epoch: stats.paired_difference}): its means joined, in its 95% interval
+  band. Returns: (the epochs drawn, those with a band)."""
+  xs = [e for e in kept if e in per]
+  drawn, = ax.plot(xs, [per[e]["mean"] for e in xs], marker="o", **line)
+  band = [e for e in xs if per[e]["lo"] is not None]
+  ax.fill_between(band, [per[e]["lo"] for e in band], [per[e]["hi"] for e in band],
+                  color=drawn.get_color(), alpha=0.2, linewidth=0, label=band_label)
+  return xs, band
+
+
+def epoch_axis(ax, kept, fixed=True):
+  """The zero line and the registered epochs on a log axis; `fixed`: the
+  axis spans them even where nothing is drawn."""
+  ax.axhline(0, color="black", linewidth=0.8)
+  if fixed:
+    ax.set_xlim(min(kept) / 1.2, max(kept) * 1.2)
+  ax.set_xscale("log")
+  ax.set_xticks(list(kept))
+  ax.set_xticklabels([str(e) for e in kept])
+  ax.set_xlabel("epoch")
+
+
 def plot(table, kept, path):
   """along.png: each pair's paired difference against epoch with its 95%
   interval band, one panel per measure."""
-  plt, _ = study_report.figure()
-  fig, axes = plt.subplots(1, len(MEASURES), figsize=(4.2 * len(MEASURES), 3.8))
-  for ax, (key, what, _) in zip(axes, MEASURES):
-    plotted = False
-    for a, b, name in PAIRS:
-      per = table[(a, b)][key]
-      xs = [e for e in kept if e in per]
-      plotted = plotted or bool(xs)
-      line, = ax.plot(xs, [per[e]["mean"] for e in xs], marker="o", label=name)
-      band = [e for e in xs if per[e]["lo"] is not None]
-      ax.fill_between(band, [per[e]["lo"] for e in band], [per[e]["hi"] for e in band],
-                      color=line.get_color(), alpha=0.2, linewidth=0)
-    ax.axhline(0, color="black", linewidth=0.8)
-    if not plotted:    # no complete block yet: the axes alone, on the epochs
-      ax.set_xlim(min(kept) / 1.2, max(kept) * 1.2)
-    ax.set_xscale("log")
-    ax.set_xticks(list(kept))
-    ax.set_xticklabels([str(e) for e in kept])
-    ax.set_xlabel("epoch")
-    ax.set_title(f"B - A: {what}", fontsize=9)
-  axes[0].legend(fontsize=7)
-  study_report.save(plt, fig, path)
+  with study_report.drawing(path, (4.2 * len(MEASURES), 3.8), ncols=len(MEASURES)) as axes:
+    for ax, (key, what, _) in zip(axes, MEASURES):
+      drawn = [epoch_band(ax, table[(a, b)][key], kept, label=name)[0] for a, b, name in PAIRS]
+      epoch_axis(ax, kept, fixed=not any(drawn))   # no complete block: the epochs alone
+      ax.set_title(f"B - A: {what}", fontsize=9)
+    axes[0].legend(fontsize=7)
 
 
 def report(found, kept, folder):
@@ -317,18 +352,13 @@ def report(found, kept, folder):
   found = complete
   table, reversals = compare(found, kept)
   text = markdown(found, table, reversals, kept, len(done), partial)
-  os.makedirs(folder, exist_ok=True)
-  files.atomic_write(os.path.join(folder, "results.md"), text)
   payload = {"blocks": done, "incomplete_blocks": partial, "kept_epochs": list(kept),
-             "runs": {v: {str(s): {str(e): m for e, m in per.items()}
-                          for s, per in seeds.items()} for v, seeds in found.items()},
              "comparisons": [{"a": a, "b": b, "measure": key, "epoch": e, **d}
                              for (a, b), per_m in table.items()
                              for key, per in per_m.items() for e, d in per.items()],
              "reversals": [dict(zip(("a", "b", "measure", "earlier", "later"), r))
                            for r in reversals]}
-  files.atomic_write(os.path.join(folder, "results.json"),
-                     json.dumps(payload, indent=1, sort_keys=True) + "\n")
+  write_report(folder, text, payload, found)
   plot(table, kept, os.path.join(folder, "along.png"))
   return text
 

@@ -4,10 +4,8 @@ registered rule (primary, equivalence, Holm's secondary pair, the claim's
 verdict) and the report from the run files. A block is the along
 protocol's, in fp32. `python -m capsnet.confirm` is its command line.
 """
-import json
 import os
 
-from capsnet.running import files
 from capsnet.running import runs
 from capsnet.science import along
 from capsnet.science import grids
@@ -187,21 +185,14 @@ def markdown(found, kept, decision, blocks, pooled, pilot_blocks, by_kind, parti
            else f"interim, {n} of {len(SEEDS)} blocks, no call")
   lines = [f"# {TITLE}: {state}", "",
            f"Blocks (seeds): {', '.join(map(str, blocks)) or 'none yet'}."
-           + (f" Seed(s) {', '.join(map(str, partial))}: an incomplete block (a run or a "
-              "scoring missing), left out until it is complete." if partial else ""),
+           + along.partial_note(partial),
            "Cells: the paired difference B - A over the blocks, its mean and 95% t "
            "interval; B - A > 0: A has the lower loss or error.", "",
            "## The registered answer", ""] + _verdict_lines(decision) + [""]
   table, _ = along.compare(found, kept)
   lines += ["## Descriptive: every measure and epoch", "",
             "Not part of the rule: **bold** marks an interval that excludes zero, "
-            "uncorrected.", ""]
-  for key, what, spec in along.MEASURES:
-    what = what.replace(" (primary)", "")   # the pilot's primary measure, not this one's
-    lines += [f"### {what}", ""] + study_report.table(
-        ["pair (A:B)", *(f"epoch {e}" for e in kept)],
-        [[f"{name} ({a}:{b})", *(stats.cell(table[(a, b)][key].get(e), spec) for e in kept)]
-         for a, b, name in along.PAIRS]) + [""]
+            "uncorrected.", ""] + along.measure_tables(table, kept, heading="###")
   lines += [f"## Descriptive: pooled with the pilot ({len(pilot_blocks)} + {n} blocks)", "",
             "The pilot's result (docs/along.md) chose this design, so the pooled "
             f"figures are not a test. {MEASURE} at epoch {EPOCH}:", ""]
@@ -227,9 +218,12 @@ def plot(found, kept, decision, path):
   for the three comparisons, their means with 95% intervals (the primary's
   90% interval too, against the equivalence margins), called ones marked;
   right, the stop's difference along training (descriptive)."""
-  plt, _ = study_report.figure()
-  fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.4),
-                                    gridspec_kw={"width_ratios": [3, 2]})
+  with study_report.drawing(path, (11, 4.4), ncols=2,
+                            gridspec_kw={"width_ratios": [3, 2]}) as (left, right):
+    _panels(found, kept, decision, left, right)
+
+
+def _panels(found, kept, decision, left, right):
   pairs = [PRIMARY] + list(SECONDARY)
   called = [decision["primary"]["called"]] + [d["called"] for d in decision["secondary"]]
   for x, ((a, b, name), is_called) in enumerate(zip(pairs, called)):
@@ -261,23 +255,12 @@ def plot(found, kept, decision, path):
     left.legend(fontsize=7)
   left.set_xlim(-0.6, len(pairs) - 0.4)
   table, _ = along.compare(found, kept)
-  per = table[PRIMARY[:2]][MEASURE]
-  xs = [ep for ep in kept if ep in per]
-  right.plot(xs, [per[ep]["mean"] for ep in xs], marker="o", color="C0")
-  band = [ep for ep in xs if per[ep]["lo"] is not None]
-  right.fill_between(band, [per[ep]["lo"] for ep in band], [per[ep]["hi"] for ep in band],
-                     color="C0", alpha=0.2, linewidth=0, label="95% interval (descriptive)")
-  right.axhline(0, color="black", linewidth=0.8)
-  right.set_xscale("log")
-  right.set_xlim(min(kept) / 1.2, max(kept) * 1.2)
-  right.set_xticks(list(kept))
-  right.set_xticklabels([str(ep) for ep in kept])
-  right.set_xlabel("epoch")
+  if along.epoch_band(right, table[PRIMARY[:2]][MEASURE], kept, color="C0",
+                      band_label="95% interval (descriptive)")[1]:
+    right.legend(fontsize=7)
+  along.epoch_axis(right, kept)
   right.set_ylabel("test error, nostop - stop, points")
   right.set_title("the stop along training", fontsize=9)
-  if band:
-    right.legend(fontsize=7)
-  study_report.save(plt, fig, path)
 
 
 def report(out, kept, pilot, folder):
@@ -301,17 +284,12 @@ def report(out, kept, pilot, folder):
   by_kind = [(kind, seeds, _difference(along.only_seeds(found, seeds), PRIMARY[:2], kept))
              for kind, seeds in sorted(kinds.items())]
   text = markdown(found, kept, decision, blocks, pooled, pilot_done, by_kind, partial)
-  os.makedirs(folder, exist_ok=True)
-  files.atomic_write(os.path.join(folder, "results.md"), text)
   payload = {"title": TITLE, "final": final, "blocks": done, "incomplete_blocks": partial,
              "registered_seeds": list(SEEDS), "kept_epochs": list(kept),
              "decision": decision, "pilot_blocks": pilot_done,
              "pooled": [{"a": a, "b": b, **(d or {})} for (a, b, _), d in pooled],
              "by_host_kind": [{"kind": k, "blocks": s, **(d or {})} for k, s, d in by_kind],
-             "block_facts": {str(s): f for s, f in blocks.items()},
-             "runs": {v: {str(s): {str(e): m for e, m in per.items()}
-                          for s, per in seeds.items()} for v, seeds in found.items()}}
-  files.atomic_write(os.path.join(folder, "results.json"),
-                     json.dumps(payload, indent=1, sort_keys=True) + "\n")
+             "block_facts": {str(s): f for s, f in blocks.items()}}
+  along.write_report(folder, text, payload, found)
   plot(found, kept, decision, os.path.join(folder, "confirm.png"))
   return text

@@ -6,6 +6,7 @@ small files beside them. How a grid is shown is its `Grid`'s: its title,
 the measures it compares, what pairs its runs (a seed, or a block), and
 whether its runs are scored on the affine sets.
 """
+import contextlib
 import dataclasses
 import io
 import os
@@ -424,19 +425,28 @@ def _routing_table(rows):
                        [row(x) for x in measured])
 
 
-def figure():
+@contextlib.contextmanager
+def drawing(path, figsize, **subplots):
+  """A figure's axes (`plt.subplots`' keywords), written to `path` as a PNG
+  when the block ends."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  return plt, matplotlib.ticker
-
-
-def save(plt, fig, path):
+  fig, axes = plt.subplots(figsize=figsize, **subplots)
+  yield axes
   fig.tight_layout()
   png = io.BytesIO()
   fig.savefig(png, format="png")
   plt.close(fig)
   files.atomic_write(path, png.getvalue())
+
+
+def _finish(ax, title, grid="major", legend=(), **title_font):
+  """The common end of a plot: a grid, a legend (its keywords beside
+  fontsize 8), a title."""
+  ax.grid(True, which=grid, alpha=0.3)
+  ax.legend(fontsize=8, **dict(legend))
+  ax.set_title(title, **title_font)
 
 
 def _label(row):
@@ -482,95 +492,80 @@ def plot(rows, path, title="CapsNet on MNIST: routing variants", x="epoch",
     x: "epoch", or "pairs": MultiMNIST training pairs seen, in millions.
     reference: (error %, label): a horizontal line, e.g. the paper's result.
   """
-  plt, ticker = figure()
-  fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
+  from matplotlib import ticker
   key, scale, xlabel = X_AXES[x]
   many = max(len(c) for r in rows for c in r[key]) > 30
+  with drawing(path, (7, 4.5), dpi=110) as ax:
+    for k, r in enumerate(rows):
+      curves = [c for c in r[key] if c]
+      if not curves:
+        continue
+      xs, means, lows, highs = band(curves)
+      xs = [a * scale for a in xs]
+      ax.plot(xs, means, color=f"C{k}", marker=None if many else "o", markersize=3,
+              linewidth=1.2, label=f"{_label(r)} ({len(curves)} "
+                                   f"seed{'s' if len(curves) > 1 else ''})")
+      if len(curves) > 1:
+        ax.fill_between(xs, lows, highs, color=f"C{k}", alpha=0.2, linewidth=0)
+    if reference:
+      ax.axhline(reference[0], color="grey", linestyle=":", label=reference[1])
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("validation error (%)")
+    ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(ticker.ScalarFormatter())
+    ax.yaxis.set_minor_formatter(ticker.ScalarFormatter())
+    _finish(ax, title, grid="both", legend={
+        "title": "mean over seeds; band: lowest to highest seed", "title_fontsize": 8})
+
+
+def _runs_lines(ax, rows, curve, skip=lambda r: False):
+  """A line per run of each row (`curve(run)`: its (xs, ys), or None), the
+  row's colour, its first seed solid and labelled, the others dashed."""
   for k, r in enumerate(rows):
-    curves = [c for c in r[key] if c]
-    if not curves:
-      continue
-    xs, means, lows, highs = band(curves)
-    xs = [a * scale for a in xs]
-    ax.plot(xs, means, color=f"C{k}", marker=None if many else "o", markersize=3,
-            linewidth=1.2, label=f"{_label(r)} ({len(curves)} "
-                                 f"seed{'s' if len(curves) > 1 else ''})")
-    if len(curves) > 1:
-      ax.fill_between(xs, lows, highs, color=f"C{k}", alpha=0.2, linewidth=0)
-  if reference:
-    ax.axhline(reference[0], color="grey", linestyle=":", label=reference[1])
-  ax.set_xlabel(xlabel)
-  ax.set_ylabel("validation error (%)")
-  ax.set_yscale("log")
-  ax.yaxis.set_major_formatter(ticker.ScalarFormatter())
-  ax.yaxis.set_minor_formatter(ticker.ScalarFormatter())
-  ax.grid(True, which="both", alpha=0.3)
-  ax.legend(title="mean over seeds; band: lowest to highest seed", fontsize=8,
-            title_fontsize=8)
-  ax.set_title(title)
-  save(plt, fig, path)
+    drawn = [c for c in map(curve, r["runs"]) if c] if not skip(r) else []
+    for s, (xs, ys) in enumerate(drawn):
+      ax.plot(xs, ys, color=f"C{k}", linewidth=1, linestyle="-" if s == 0 else "--",
+              label=_label(r) if s == 0 else None)
 
 
 def plot_diagnostic(rows, path):
   """The share of W's gradient that flows through the coefficients, by epoch."""
-  plt, _ = figure()
-  fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
-  for k, r in enumerate(rows):
-    if r["iter_routing"] == 1:
-      continue
-    for s, run in enumerate(r["runs"]):
-      if run["diag_curve"]:
-        xs, ys = zip(*run["diag_curve"])
-        ax.plot(xs, ys, color=f"C{k}", linewidth=1, linestyle="-" if s == 0 else "--",
-                label=_label(r) if s == 0 else None)
-  ax.set_xlabel("epoch")
-  ax.set_ylabel("||g_full - g_stop|| / ||g_full||  (W)")
-  ax.grid(True, alpha=0.3)
-  ax.legend(fontsize=8)
-  ax.set_title("Gradient through the routing coefficients (fixed batch of 32)")
-  save(plt, fig, path)
+  with drawing(path, (7, 4), dpi=110) as ax:
+    _runs_lines(ax, rows, lambda x: x["diag_curve"] and tuple(zip(*x["diag_curve"])),
+                skip=lambda r: r["iter_routing"] == 1)
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("||g_full - g_stop|| / ||g_full||  (W)")
+    _finish(ax, "Gradient through the routing coefficients (fixed batch of 32)")
 
 
 def plot_affine(rows, path):
   """Affine-test error per variant (x) and block (a line per block)."""
-  plt, _ = figure()
-  fig, ax = plt.subplots(figsize=(6, 4), dpi=110)
   names = [r["variant"] for r in rows]
   seeds = sorted({x["seed"] for r in rows for x in r["runs"]})
-  for k, seed in enumerate(seeds):
-    ys = [next((x["affine_error"] for x in r["runs"] if x["seed"] == seed), None)
-          for r in rows]
-    xs = [i for i, y in enumerate(ys) if y is not None]
-    ax.plot(xs, [ys[i] for i in xs], color=f"C{k}", marker="o", label=f"block {seed}")
-  ax.set_xticks(range(len(names)))
-  ax.set_xticklabels(names)
-  ax.set_ylabel("affine-test error (%)")
-  ax.grid(True, alpha=0.3)
-  ax.legend(fontsize=8)
-  ax.set_title("Affine test set (28x28, affNIST's ranges; not affNIST)", fontsize=10)
-  save(plt, fig, path)
+  with drawing(path, (6, 4), dpi=110) as ax:
+    for k, seed in enumerate(seeds):
+      ys = [next((x["affine_error"] for x in r["runs"] if x["seed"] == seed), None)
+            for r in rows]
+      xs = [i for i, y in enumerate(ys) if y is not None]
+      ax.plot(xs, [ys[i] for i in xs], color=f"C{k}", marker="o", label=f"block {seed}")
+    ax.set_xticks(range(len(names)))
+    ax.set_xticklabels(names)
+    ax.set_ylabel("affine-test error (%)")
+    _finish(ax, "Affine test set (28x28, affNIST's ranges; not affNIST)", fontsize=10)
 
 
 def plot_sweep(rows, shipped, path):
   """Affine error against the largest rotation: a line per run, and the
   shipped weights' in black."""
-  plt, _ = figure()
-  fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
-  for k, r in enumerate(rows):
-    for s, x in enumerate(x for x in r["runs"] if x["affine_sweep"]):
-      ds, es = zip(*x["affine_sweep"])
-      ax.plot(ds, es, color=f"C{k}", linewidth=1, linestyle="-" if s == 0 else "--",
-              label=_label(r) if s == 0 else None)
-  if shipped:
-    ds, es = zip(*shipped)
-    ax.plot(ds, es, color="black", linewidth=1.5, label="shipped r3_recon (50 epochs)")
-  ax.set_xlabel("largest rotation (degrees); shear, scale, shift in affNIST's ranges")
-  ax.set_ylabel("error (%)")
-  ax.set_yscale("log")
-  ax.grid(True, which="both", alpha=0.3)
-  ax.legend(fontsize=8)
-  ax.set_title("Severity sweep (descriptive)", fontsize=10)
-  save(plt, fig, path)
+  with drawing(path, (7, 4.5), dpi=110) as ax:
+    _runs_lines(ax, rows, lambda x: x["affine_sweep"] and tuple(zip(*x["affine_sweep"])))
+    if shipped:
+      ds, es = zip(*shipped)
+      ax.plot(ds, es, color="black", linewidth=1.5, label="shipped r3_recon (50 epochs)")
+    ax.set_xlabel("largest rotation (degrees); shear, scale, shift in affNIST's ranges")
+    ax.set_ylabel("error (%)")
+    ax.set_yscale("log")
+    _finish(ax, "Severity sweep (descriptive)", grid="both", fontsize=10)
 
 
 # The paper's MultiMNIST result (Section 6): CapsNet, r = 3, with reconstruction.
