@@ -75,70 +75,20 @@ def define_train_flags():
   """Model, data and trainer flags (train.py; capsnet.study passes train.py flags through)."""
   define_model_flags()
   define_data_flags()
-  flags.DEFINE_string("logdir", "logs/run", "checkpoints, config.json, metrics, events")
-  flags.DEFINE_integer("train_size", 0, "use only the first N training images "
-                       "(0: all); for quick experiments and tests", lower_bound=0)
-  flags.DEFINE_integer("epochs", 50, "training epochs", lower_bound=1)
-  flags.DEFINE_integer("max_steps", 0, "stop after this many global steps "
-                       "(0: no limit; for smoke tests)", lower_bound=0)
-  flags.DEFINE_integer("batch_size", schedule.BATCH_SIZE, "training batch size (all towers)",
-                       lower_bound=1)
-  # 200, not 500: at 500 the evaluation graph's intermediates took train.py's
-  # peak RSS from 1.44 to 2.03 GiB (a 10-step run with its validation and
-  # test, 2-core AMD EPYC, 2026-12-03), for 2.5 s less of 38 s.
-  flags.DEFINE_integer("eval_batch_size", 200, "batch size for validation/test",
-                       lower_bound=1)
-  flags.DEFINE_float("learning_rate", schedule.LEARNING_RATE, "Adam learning rate", lower_bound=0)
-  flags.DEFINE_integer("decay_steps", schedule.DECAY_STEPS, "learning-rate decay period (steps)",
-                       lower_bound=1)
-  flags.DEFINE_float("decay_rate", schedule.DECAY_RATE, "learning-rate decay factor per period",
-                     lower_bound=0)
-  flags.DEFINE_float("ema_decay", 0.0, "weight averaging: decay of an exponential "
-                     "moving average of the model variables, scored beside the raw "
-                     "weights at every validation (e.g. 0.999; 0: off)",
-                     lower_bound=0, upper_bound=0.999999)
-  flags.DEFINE_integer("seed", 0, "graph-level seed and data order seed")
-  flags.DEFINE_string("device", None, "model device; default /gpu:0 when "
-                      "TensorFlow sees a GPU, else /cpu:0")
-  flags.DEFINE_integer("num_gpus", 1, "towers on <device type>:0..N-1",
-                       lower_bound=1)
-  flags.DEFINE_bool("log_device_placement", False, "log where each op runs")
-  flags.DEFINE_integer("save_every", 1000, "steps between latest checkpoints "
-                       "(also saved at each epoch end)", lower_bound=1)
-  flags.DEFINE_list("keep_epochs", [], "also keep the weights at the end of these "
-                    "epochs, every one, in epochs/ of the logdir (e.g. 1,2,5,10)")
-  flags.DEFINE_integer("summary_every", 100, "steps between TensorBoard summaries",
-                       lower_bound=1)
-  flags.DEFINE_integer("diag_every", 0, "steps between gradient diagnostics "
-                       "(||g_full - g_stop|| / ||g_full||); 0 = off", lower_bound=0)
-  flags.DEFINE_integer("val_every", 0, "steps between extra validations inside "
-                       "an epoch (0: only at epoch ends)", lower_bound=0)
-  flags.DEFINE_bool("progress", True, "show a tqdm progress bar")
-  flags.DEFINE_bool("replan", False, "measure the convolution plan (and with "
-                    "--precision=auto the precision) again; a resumed run keeps "
-                    "its recorded plan otherwise")
-  flags.DEFINE_bool("adopt_checkpoints", False, "resume the checkpoints of a logdir "
-                    "that has no config.json, with these flags (the variables' "
-                    "shapes are checked against the model)")
+  define_flags_of(Settings)
   define_cluster_flags()
 
 
 def define_cluster_flags():
-  """Between-graph replication (docs/cluster.md); TF_CONFIG is the
-  alternative to the first four."""
+  """Between-graph replication (docs/cluster.md), the cluster's description
+  (TF_CONFIG is the alternative); `Settings` has --sync and
+  --cluster_wait_secs."""
   flags.DEFINE_list("ps_hosts", [], "cluster: the ps tasks, host:port,...")
   flags.DEFINE_list("worker_hosts", [], "cluster: the workers, host:port,... "
                     "(the first is the chief)")
   flags.DEFINE_enum("job_name", None, ["ps", "worker"], "cluster: this task's job")
   flags.DEFINE_integer("task_index", 0, "cluster: this task's index in its job",
                        lower_bound=0)
-  flags.DEFINE_bool("sync", True, "cluster: synchronous updates (one gradient a "
-                    "worker aggregated per step; effective batch = workers x "
-                    "--batch_size); false: asynchronous")
-  flags.DEFINE_integer("cluster_wait_secs", 60, "cluster: how long to wait for "
-                       "the ps tasks and for the chief, and how long another "
-                       "worker may not answer in synchronous training before "
-                       "the run ends", lower_bound=1)
 
 
 def cluster_from_flags(values):
@@ -232,41 +182,90 @@ RECORDED_SETTINGS = ("dataset", "val_size", "train_size", "batch_size",
                      "multimnist_shift", "workers", "sync", "ema_decay")
 
 
+_DEFINE = {"bool": flags.DEFINE_bool, "integer": flags.DEFINE_integer,
+           "float": flags.DEFINE_float, "string": flags.DEFINE_string,
+           "list": flags.DEFINE_list, "enum": flags.DEFINE_enum}
+
+
+def flag(kind, default, help_, **options):
+  """A settings field that is its program's flag of that `kind` (a key of
+  _DEFINE), `options` its bounds or enum_values (`define_flags_of`)."""
+  return dataclasses.field(default=default, metadata={"flag": (kind, help_, options)})
+
+
+def define_flags_of(settings_class, flag_values=flags.FLAGS):
+  """A flag for each field of `settings_class` made by `flag`: the one list
+  of a program's own flags."""
+  for field in dataclasses.fields(settings_class):
+    if "flag" in field.metadata:
+      kind, help_, options = field.metadata["flag"]
+      default = [str(v) for v in field.default] if kind == "list" else field.default
+      _DEFINE[kind](field.name, default, help=help_, flag_values=flag_values, **options)
+
+
 @dataclasses.dataclass(frozen=True)
 class Settings:
-  """The trainer's flags (all but the model's), read once in `main`."""
-  logdir: str
-  dataset: str
-  data_dir: str
-  download: bool
-  val_size: int
-  train_size: int
-  multimnist_shift: int     # multimnist: largest shift of a digit
-  epochs: int
-  max_steps: int            # 0: no limit
-  batch_size: int           # all towers together
-  eval_batch_size: int
-  learning_rate: float
-  decay_steps: int
-  decay_rate: float
-  ema_decay: float          # weight averaging (0: off)
-  seed: int
-  device: str               # tower 0's device
-  num_gpus: int             # towers
-  log_device_placement: bool
-  save_every: int
-  summary_every: int
-  diag_every: int           # 0: off
-  val_every: int            # 0: epoch ends only
-  progress: bool
-  adopt_checkpoints: bool   # resume checkpoints that have no config.json
-  cluster: cluster_spec.ClusterInfo   # None: one process
-  workers: int              # workers training together (1: one process), as
+  """The trainer's flags (all but the model's), read once in `main`: a
+  field made by `flag` is its flag; the data set's are `define_data_flags`'
+  (shared with eval.py), the cluster's description `define_cluster_flags`'."""
+  logdir: str = flag("string", "logs/run", "checkpoints, config.json, metrics, events")
+  dataset: str = tasks.DEFAULT
+  data_dir: str = None
+  download: bool = True
+  val_size: int = tasks.VAL_SIZE
+  train_size: int = flag("integer", 0, "use only the first N training images (0: all); "
+                         "for quick experiments and tests", lower_bound=0)
+  multimnist_shift: int = multimnist.PAIR_SHIFT   # multimnist: largest shift of a digit
+  epochs: int = flag("integer", 50, "training epochs", lower_bound=1)
+  max_steps: int = flag("integer", 0, "stop after this many global steps (0: no limit; "
+                        "for smoke tests)", lower_bound=0)
+  batch_size: int = flag("integer", schedule.BATCH_SIZE, "training batch size (all towers)",
+                         lower_bound=1)
+  # 200, not 500: the smaller peak memory (docs/training.md has the figures).
+  eval_batch_size: int = flag("integer", 200, "batch size for validation/test",
+                              lower_bound=1)
+  learning_rate: float = flag("float", schedule.LEARNING_RATE, "Adam learning rate",
+                              lower_bound=0)
+  decay_steps: int = flag("integer", schedule.DECAY_STEPS, "learning-rate decay period "
+                          "(steps)", lower_bound=1)
+  decay_rate: float = flag("float", schedule.DECAY_RATE, "learning-rate decay factor per "
+                           "period", lower_bound=0)
+  ema_decay: float = flag("float", 0.0, "weight averaging: decay of an exponential moving "
+                          "average of the model variables, scored beside the raw weights "
+                          "at every validation (e.g. 0.999; 0: off)", lower_bound=0,
+                          upper_bound=0.999999)
+  seed: int = flag("integer", 0, "graph-level seed and data order seed")
+  device: str = flag("string", None, "model device; default /gpu:0 when TensorFlow sees "
+                     "a GPU, else /cpu:0")
+  num_gpus: int = flag("integer", 1, "towers on <device type>:0..N-1", lower_bound=1)
+  log_device_placement: bool = flag("bool", False, "log where each op runs")
+  save_every: int = flag("integer", 1000, "steps between latest checkpoints (also saved "
+                         "at each epoch end)", lower_bound=1)
+  summary_every: int = flag("integer", 100, "steps between TensorBoard summaries",
+                            lower_bound=1)
+  diag_every: int = flag("integer", 0, "steps between gradient diagnostics "
+                         "(||g_full - g_stop|| / ||g_full||); 0 = off", lower_bound=0)
+  val_every: int = flag("integer", 0, "steps between extra validations inside an epoch "
+                        "(0: only at epoch ends)", lower_bound=0)
+  progress: bool = flag("bool", True, "show a tqdm progress bar")
+  adopt_checkpoints: bool = flag("bool", False, "resume the checkpoints of a logdir that "
+                                 "has no config.json, with these flags (the variables' "
+                                 "shapes are checked against the model)")
+  cluster: cluster_spec.ClusterInfo = None   # from the cluster flags; None: one process
+  workers: int = 1          # workers training together (1: one process), as
                             # config.json records it; the loop reads the role's
-  sync: bool                # a cluster's updates: synchronous
-  cluster_wait_secs: int
-  replan: bool = False      # measure the convolution plan again on resume
-  keep_epochs: tuple = ()   # epochs whose end weights epochs/ keeps
+  sync: bool = flag("bool", True, "cluster: synchronous updates (one gradient a worker "
+                    "aggregated per step; effective batch = workers x --batch_size); "
+                    "false: asynchronous")
+  cluster_wait_secs: int = flag("integer", 60, "cluster: how long to wait for the ps "
+                                "tasks and for the chief, and how long another worker may "
+                                "not answer in synchronous training before the run ends",
+                                lower_bound=1)
+  replan: bool = flag("bool", False, "measure the convolution plan (and with "
+                      "--precision=auto the precision) again; a resumed run keeps its "
+                      "recorded plan otherwise")
+  keep_epochs: tuple = flag("list", (), "also keep the weights at the end of these "
+                            "epochs, every one, in epochs/ of the logdir (e.g. 1,2,5,10)")
   precision_auto: bool = False   # --precision=auto: the planner chooses it
 
   def recorded(self):

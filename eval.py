@@ -48,78 +48,55 @@ from capsnet.using import pictures  # noqa: E402
 from capsnet.using import serving  # noqa: E402
 
 
+flag = config.flag
+
+
 @dataclasses.dataclass(frozen=True)
 class Settings:
-  """eval.py's flags, read once in `main`."""
-  checkpoint: str
-  which: str
-  weights: str              # auto (the run's choice), raw or averaged
-  iter_routing: int         # None: the run's own
-  precision: str            # None: the run's own
-  conv_impl: str            # None: the run's own methods; auto: planned here
-  dtype: str                # None: the run's own
-  split: str
-  batch_size: int
-  out_dir: str              # None: <run>/eval_<checkpoint>_r<r>_<split>
-  device: str
-  num_images: int
-  figure4_images: int
-  dataset: str              # None: the run's own
-  data_dir: str
-  download: bool
-  images: tuple             # with --images: the files to classify
-  json: bool
-  export_savedmodel: str
-  affine_sweep: tuple       # --split=affine: the sweep's largest rotations
+  """eval.py's flags, read once in `main` (a field made by `flag` is its
+  flag; the data set's are `config.define_data_flags`')."""
+  checkpoint: str = flag("string", None, "checkpoint prefix or training logdir")
+  which: str = flag("enum", "best", "checkpoint of a logdir", enum_values=["best", "latest"])
+  weights: str = flag("enum", "auto", "the raw weights, their moving average (runs with "
+                      "--ema_decay), or auto: those that won the run's validation",
+                      enum_values=list(runs.WEIGHTS))
+  iter_routing: int = flag("integer", None, "override routing iterations", lower_bound=1)
+  precision: str = flag("enum", None, "override the run's precision (e.g. score "
+                        "bf16-trained weights in fp32)", enum_values=["fp32", "bf16"])
+  conv_impl: str = flag("enum", None, "override how the convolutions are computed "
+                        "(default: as the run computed them, so its own scores are "
+                        "reproduced bit for bit); auto: the methods planned on this host "
+                        "for the forward pass alone, the same function computed the "
+                        "fastest way here", enum_values=list(fast_conv.IMPLS))
+  dtype: str = flag("enum", None, "override the run's variable dtype (must be the "
+                    "checkpoint's)", enum_values=["float32", "float64"])
+  split: str = flag("enum", "test", "split to score; affine: the affine test set, each "
+                    "test image once rotated, sheared, scaled and shifted in affNIST's "
+                    "ranges at 28x28 (not the paper's 40x40 affNIST; docs/short.md)",
+                    enum_values=["test", "validation", "affine"])
+  batch_size: int = flag("integer", 500, "evaluation batch size", lower_bound=1)
+  out_dir: str = flag("string", None, "output folder")   # None: <run>/eval_<ckpt>_r<r>_<split>
+  device: str = flag("string", None, "model device (default /gpu:0 if present)")
+  num_images: int = flag("integer", 16, "images in reconstructions.png", lower_bound=1)
+  figure4_images: int = flag("integer", 3, "test images in figure4.png", lower_bound=1)
+  dataset: str = None       # None: the run's own
+  data_dir: str = None
+  download: bool = True
+  images: tuple = flag("string", None, "instead of a split: classify these image files "
+                       "(--images a.png b.jpg ...; any size, colour or grey), writing "
+                       "<name>.png and <name>_routing.png for each to --out_dir")
+  json: bool = flag("bool", False, "with --images: print the results as JSON")
+  export_savedmodel: str = flag("string", None, "instead: write the model as a TensorFlow "
+                                "SavedModel to this (new) folder")
+  affine_sweep: tuple = flag("list", (), "with --split=affine: also score affine sets "
+                             "whose largest rotation is each of these degrees (the other "
+                             "ranges as affNIST's), e.g. 0,5,10,...,45")
 
 
 def define_flags(fv=flags.FLAGS):
   """eval.py's flags, defined in `fv`: absl's global FLAGS when run as a
   program; tests give their own, beside train.py's (some names are shared)."""
-  flags.DEFINE_string("checkpoint", None, "checkpoint prefix or training logdir",
-                      flag_values=fv)
-  flags.DEFINE_enum("which", "best", ["best", "latest"], "checkpoint of a logdir",
-                    flag_values=fv)
-  flags.DEFINE_enum("weights", "auto", ["auto", "raw", "averaged"], "the raw "
-                    "weights, their moving average (runs with --ema_decay), or "
-                    "auto: those that won the run's validation", flag_values=fv)
-  flags.DEFINE_enum("precision", None, ["fp32", "bf16"], "override the run's "
-                    "precision (e.g. score bf16-trained weights in fp32)", flag_values=fv)
-  flags.DEFINE_enum("conv_impl", None, list(fast_conv.IMPLS), "override how the "
-                    "convolutions are computed (default: as the run computed "
-                    "them, so its own scores are reproduced bit for bit); auto: "
-                    "the methods planned on this host for the forward pass "
-                    "alone, the same function computed the fastest way here",
-                    flag_values=fv)
-  flags.DEFINE_enum("dtype", None, ["float32", "float64"], "override the run's "
-                    "variable dtype (must be the checkpoint's)", flag_values=fv)
-  flags.DEFINE_integer("iter_routing", None, "override routing iterations",
-                       lower_bound=1, flag_values=fv)
-  flags.DEFINE_enum("split", "test", ["test", "validation", "affine"], "split to "
-                    "score; affine: the affine test set, each test image once "
-                    "rotated, sheared, scaled and shifted in affNIST's ranges at "
-                    "28x28 (not the paper's 40x40 affNIST; docs/short.md)",
-                    flag_values=fv)
-  flags.DEFINE_list("affine_sweep", [], "with --split=affine: also score affine "
-                    "sets whose largest rotation is each of these degrees (the "
-                    "other ranges as affNIST's), e.g. 0,5,10,...,45", flag_values=fv)
-  flags.DEFINE_integer("batch_size", 500, "evaluation batch size", lower_bound=1,
-                       flag_values=fv)
-  flags.DEFINE_string("out_dir", None, "output folder", flag_values=fv)
-  flags.DEFINE_string("device", None, "model device (default /gpu:0 if present)",
-                      flag_values=fv)
-  flags.DEFINE_integer("num_images", 16, "images in reconstructions.png",
-                       lower_bound=1, flag_values=fv)
-  flags.DEFINE_integer("figure4_images", 3, "test images in figure4.png",
-                       lower_bound=1, flag_values=fv)
-  flags.DEFINE_string("images", None, "instead of a split: classify these image "
-                      "files (--images a.png b.jpg ...; any size, colour or grey), "
-                      "writing <name>.png and <name>_routing.png for each to "
-                      "--out_dir", flag_values=fv)
-  flags.DEFINE_bool("json", False, "with --images: print the results as JSON",
-                    flag_values=fv)
-  flags.DEFINE_string("export_savedmodel", None, "instead: write the model as a "
-                      "TensorFlow SavedModel to this (new) folder", flag_values=fv)
+  config.define_flags_of(Settings, fv)
   config.define_data_flags(dataset_default=None, flag_values=fv)
   flags.mark_flag_as_required("checkpoint", flag_values=fv)
 
