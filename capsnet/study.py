@@ -1,4 +1,4 @@
-"""Routing studies: trains and tests each variant of a grid with the same
+r"""Routing studies: trains and tests each variant of a grid with the same
 seeds, then reports (`capsnet.science.report`, from the runs' files alone).
 
   python -m capsnet.study --epochs=1 --seeds=2              # stop_gradient grid
