@@ -1,21 +1,12 @@
-"""The stop_gradient question at each length of training, in one place
-(issue 41): what each protocol calls, and how far routing moves the
-couplings there, from the committed results.json files alone.
+"""The stop_gradient question at each length of training, side by side
+(the short protocol, the along protocol, Table 1), from the committed
+results.json files alone.
 
   python -m capsnet.answer                  # study/answer.md and answer.json
 
-Rows, shortest training first: the short protocol (5 epochs on a schedule
-compressed to a learning-rate sum under one epoch, the best-validation
-checkpoint; docs/short.md), the protocol along training (the weights at the
-end of epochs 1, 2, 5 and 10 of the paper's schedule, no selection;
-docs/along.md) and the 50-epoch Table 1 rows (the paper's schedule, the
-best-validation checkpoint, one or two seeds; docs/table1.md). Each cell is
-a pair's paired difference B - A over the blocks or seeds that have both
-runs: its mean, its 95% t interval where n > 1, in bold where the interval
-excludes zero (each protocol's rule: `stats.paired_difference`). Nothing is
-computed here that the protocols' own reports do not compute; this module
-puts their figures side by side. Writing the same files again writes the
-same bytes.
+Nothing is computed here that the protocols' own reports do not compute;
+a missing or damaged protocol's results is named in one line and
+study/answer.md left as it was (--protocols names the ones to show).
 """
 import os
 import sys

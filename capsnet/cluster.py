@@ -1,20 +1,12 @@
-"""The launcher that tries training on several machines on this one.
+"""The launcher that tries training on several machines on this one
+(between-graph replication, docs/cluster.md).
 
   python -m capsnet.cluster --ps=1 --workers=2 -- --iter_routing=3 --logdir=logs/c
 
-Between-graph replication (TF1): every process runs train.py with the same
---ps_hosts and --worker_hosts (or TF_CONFIG) and its own --job_name and
---task_index. ps tasks hold the variables (`replica_device_setter`) and
-serve; workers build the graph and train, each on its own shard of every
-epoch's data order; worker 0 is the chief (initialises or restores, validates,
-saves, writes the metrics and the test results). With --sync (the default) a
-SyncReplicasOptimizer aggregates one gradient per worker, so the effective
-batch is workers x --batch_size.
-
-The launcher starts the processes on loopback ports, streams the chief's
-output (the others' goes to files it names), and ends them all when the chief
-ends or on Ctrl-C (the first one is passed to the chief, which saves).
-The cluster description itself (flags, TF_CONFIG) is capsnet.running.cluster_spec.
+It starts the ps and worker processes of train.py on loopback ports, streams
+the chief's output (the others' goes to files it names), and ends them all
+when the chief ends or on Ctrl-C (the first one is passed to the chief,
+which saves).
 """
 import os
 import signal

@@ -1,22 +1,9 @@
-"""Each part of the training step against its own limit on this host.
-
-A part's limit is the time it could not beat on this machine: the larger of
-its FLOPs over the matmul peak and the bytes it must move at least over the
-memory bandwidth (both measured by `capsnet.bench` in the same round). Its
-fraction of the roofline is that limit over the time it took; the step's is
-the parts' limits summed over the step's time. FLOPs are those of the method
-that ran (the DFT's transforms and products for `dft`, the direct
-convolution's multiply-adds for the other methods), counted from the shapes
-as `fast_conv` computes them; the bytes are each part's own inputs and
-outputs read or written once, forward and backward (routing: one pass over
-`u_hat` per weighted sum and per agreement, as Procedure 1 has them).
-Element-wise work (squash, softmax, losses, ReLU) is counted in bytes only.
+"""Each part of the training step against its own limit on this host:
+max(its FLOPs / the matmul peak, the bytes it must move at least / the
+memory bandwidth), both measured by `capsnet.bench` in the same round; the
+parts (`PARTS`) are found by the op names of a step trace (`part_of`).
+docs/performance.md says what is counted and the figures of each host.
 Importing this module imports no TensorFlow.
-
-Parts (`PARTS`), by the op names of a step trace (`part_of`): Conv1;
-PrimaryCaps, split into the DFT's transforms and its per-frequency products
-where the DFT runs; u_hat (W u); routing; decoder; Adam; other (the losses,
-the reconstruction's mask, the input: no limit is claimed for it).
 """
 import dataclasses
 

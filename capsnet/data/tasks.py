@@ -1,20 +1,10 @@
 """A task per data set, chosen once from --dataset: its image size, its
-splits, its training and evaluation pipelines (one `mnist.Pipeline` type),
-the order and feed of an epoch, the fixed batch of the gradient diagnostic,
-the model's heads it needs (`heads`, a name of `network.HEADS`: the losses,
-decoder and prediction), its metric (`score`), eval.py's pictures
-(`pictures`) and the study's x axis (`progress`). The programs ask the task;
-no other module compares data set names (but config.py, which maps the
-flags to a task) or guesses from a label's rank.
-
-- `Digits`: MNIST and Fashion-MNIST, one label an image; training images are
-  fed in the epoch's order and shifted by up to 2 pixels.
-- `DigitPairs`: MultiMNIST (Section 6), made from the MNIST files; two
-  labels an image; training pairs are drawn on the fly from the digits,
-  validation and test are fixed pairs with their two reconstruction targets.
-
-The data modules (and TensorFlow with them) are imported when a task first
-reads or pipes data, so that its attributes answer without them (the study).
+splits and pipelines, an epoch's order and feed, the gradient diagnostic's
+batch, the model's heads (`network.HEADS`), its metric (`score`), eval.py's
+pictures and the study's x axis (`progress`). No other module compares data
+set names. `Digits`: MNIST and Fashion-MNIST; `DigitPairs`: MultiMNIST
+(Section 6, docs/multimnist.md). The data modules (and TensorFlow) are
+imported only when a task first reads data.
 """
 import importlib
 

@@ -1,27 +1,8 @@
-"""The TensorFlow side of between-graph replication for train.py (see
-capsnet/running/cluster_spec.py for the cluster description, capsnet/cluster.py
-for the launcher).
-
-What a process does, by role:
-- ps: starts its server and serves the variables until the chief puts a
-  token in this task's "done" queue (or no worker answers any more), then
-  ends: ps servers never end on their own.
-- worker: starts its server, waits (bounded) until the ps tasks answer, and
-  builds the graph with the variables on the ps tasks
-  (`replica_device_setter`). The chief (worker 0) opens a session to its
-  server, initialises or restores, and with --sync fills the token queue and
-  runs the SyncReplicasOptimizer's queue runner; the other workers wait for
-  the model to be ready, checking every half second (the default, 30 s, is
-  TensorFlow's `recovery_wait_secs`).
-
-A stop signal (Ctrl-C, SIGTERM, SIGHUP) to any task stops the whole run
-with a checkpoint: a worker other than the chief, or a ps task, passes it on
-through a queue on ps task 0 and trains or serves on (a synchronous update
-needs every worker); the chief, which reads that queue with every step,
-stops as if the signal had come to it: it saves, puts a word in the "halt"
-queue for each other worker, releases those waiting for the next
-synchronous update, and ends the ps tasks. Every worker, and every task that
-had the signal, then exits with 128 + the signal's number.
+"""The TensorFlow side of between-graph replication for train.py: the ps
+tasks' serving, a worker's placement (`Placement`), sessions and the stop
+signals passed between tasks. docs/cluster.md says what each role does and
+how a run stops; capsnet/running/cluster_spec.py reads the cluster's
+description, capsnet/cluster.py launches one on this machine.
 """
 import collections
 import contextlib

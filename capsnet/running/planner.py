@@ -1,18 +1,10 @@
-"""A plan per host: each convolution's fastest method, measured on the machine.
-
-As FFTW's planner and cuDNN's benchmark mode do: for each convolution of the
-model (Conv1, PrimaryCaps) the candidate methods of `fast_conv` are timed on
-the layer's real shapes, compute dtype and batch (forward and the gradients
-training needs, or the forward alone for inference), and the fastest is
-used. The answer is remembered in a cache file (`cache_path`: a JSON of
-entries keyed by the CPU model and its kernel flags, TensorFlow's version
-and whether its oneDNN kernels are on (`startup`), the layer's shapes, dtype, batch and mode), so a second start plans in no
-time. On a GPU there is nothing to plan: TensorFlow's convolution (cuDNN
-plans itself).
-
-A cache that is missing starts empty; one that cannot be read or parsed is
-said in one line and planned afresh (and rewritten); one that cannot be
-written is said in one line and the plan used without caching.
+"""A plan per host: each convolution's fastest method of `fast_conv`,
+timed on the layer's real shapes, dtype and batch (forward and the
+gradients, or the forward alone for inference), as FFTW's planner and
+cuDNN's benchmark mode do, and cached (`cache_path`) under a key of the CPU,
+TensorFlow, oneDNN, the shapes, dtype, batch and mode (docs/performance.md).
+A cache that cannot be read or written is said in one line and planned
+afresh or not kept; on a GPU nothing is planned.
 
   python -m capsnet.running.planner --precision=bf16   # plan, print, cache
 """

@@ -1,19 +1,8 @@
-"""What one train.py process is in its run, chosen once in train.py's `main`
-(`choose`): the run's only process (`OneProcess`), or a worker of a cluster
-(docs/cluster.md): the chief (`Chief`, worker 0, the one that writes the run
-folder) or another worker (`Worker`). A ps task runs no loop: it serves the
-variables (`serve`).
-
-Every role builds the same graph, placed by its `placement` (one process:
-`LocalPlacement`, nothing placed; a task: `distributed.Placement`), and runs
-train.py's one loop. What differs is asked of the role in three hooks:
-`session` (the stop signals caught, how it opens, restores or waits for the
-chief, watches the other workers, and how the run ends with them),
-`run_step` (a step's session run and the coordination after it) and
-`before_save` (the chief waits for the step's update). The loop reads
-`writes` (the one process that restores, validates, saves and writes the
-run folder, as nanoGPT's `master_process`); `main` reads `plans`
-(docs/cluster.md).
+"""What one train.py process is in its run, chosen once by `choose`: the
+run's only process (`OneProcess`), or a cluster's chief (`Chief`) or other
+worker (`Worker`); a ps task serves the variables (`serve`). Every role runs
+train.py's one loop on the same graph; what differs is its `placement` and
+three hooks, `session`, `run_step` and `before_save` (docs/cluster.md).
 """
 import contextlib
 import signal

@@ -35,7 +35,7 @@ GRIDS = {g.name: g for g in (
         "r3_norecon": dict(iter_routing=3, stop_gradient=True, use_decoder=False),
         "r3_recon": dict(iter_routing=3, **_RECON),
         "r3_recon_nostop": dict(iter_routing=3, stop_gradient=False, use_decoder=True),
-        # Issue 24: the official code's loss balance (reconstruction 0.01 against
+        # The official code's loss balance (reconstruction 0.01 against
         # the summed margin loss), then also its layers; both average weights.
         "r3_recon_balance": dict(iter_routing=3, **_RECON, recon_weight=0.01,
                                  ema_decay=EMA_DECAY),

@@ -194,7 +194,7 @@ SHORT_FIGURES = (("test_error", "test error, %"),
 
 
 # Beside the short protocol's registered measures, not part of its rule: a
-# figure no checkpoint choice touches (issue 41).
+# figure no checkpoint choice touches.
 SELECTION_FREE = (("last_val_loss", "validation loss at the last step "
                    "(selection-free; descriptive)"),)
 
