@@ -14,15 +14,14 @@ import sys
 from absl import app
 from absl import flags
 
-from capsnet import along as along_command
 from capsnet.running import runs
 from capsnet.science import along
 from capsnet.science import confirm
 
 
 def define_flags():
-  along_command.define_block_flags("confirm", confirm.SEEDS[0], 1, " (registered: "
-                                   f"{confirm.SEEDS[0]}-{confirm.SEEDS[-1]})")
+  along.define_block_flags("confirm", confirm.SEEDS[0], 1, " (registered: "
+                           f"{confirm.SEEDS[0]}-{confirm.SEEDS[-1]})")
   flags.DEFINE_bool("power", False, "print the registered power computation from the "
                     "pilot's committed runs (study/along) and exit")
   flags.DEFINE_string("pilot", confirm.PILOT, "the pilot's published runs")
@@ -33,7 +32,7 @@ FLAGS = flags.FLAGS
 
 def main(argv):
   extra = argv[1:]     # everything after `--` goes to train.py (tests: a small model)
-  kept, seeds, publish = along_command.block_flags("confirm")
+  kept, seeds, publish = along.block_flags(FLAGS, "confirm")
   if FLAGS.power:
     try:
       found = along.collect(FLAGS.pilot, confirm.PILOT_SEEDS, kept)

@@ -7,6 +7,8 @@ import json
 import os
 import sys
 
+from absl import flags
+
 from capsnet.running import files
 from capsnet.running import runs
 from capsnet.running import schedule
@@ -374,3 +376,33 @@ def parse_kept(values, epochs):
     raise ValueError(f"--kept={','.join(values)}: expected epochs between 1 and "
                      f"--epochs={epochs}")
   return kept
+
+
+def define_block_flags(name, first_seed, seeds, seed_help=""):
+  """The flags of a command that runs and reports blocks of this protocol
+  (capsnet.along, capsnet.confirm), its runs in ~/<name> and published in
+  study/<name>; defined when the program calls it."""
+  flags.DEFINE_integer("first_seed", first_seed, "the first block's seed" + seed_help,
+                       lower_bound=0)
+  flags.DEFINE_integer("seeds", seeds, "blocks to run, from --first_seed", lower_bound=1)
+  flags.DEFINE_string("out", os.path.join(os.path.expanduser("~"), name),
+                      "folder of the runs (checkpoints included) and the report")
+  flags.DEFINE_string("publish", os.path.join(grids.ROOT, "study", name),
+                      "copy each scored run's small files, and the report, here")
+  flags.DEFINE_bool("train", True, "train and score missing runs (false: report only)")
+  flags.DEFINE_integer("epochs", EPOCHS, "epochs a run (the protocol: 10; tests: fewer)",
+                       lower_bound=1)
+  flags.DEFINE_list("kept", [str(e) for e in KEPT], "the registered epochs "
+                    "(the protocol: 1,2,5,10)")
+
+
+def block_flags(values, program):
+  """(the registered epochs, the seeds, where to publish or None) from the
+  block flags' parsed `values` (a program's FLAGS, passed by its main);
+  exits naming a bad --kept."""
+  try:
+    kept = parse_kept(values.kept, values.epochs)
+  except ValueError as e:
+    sys.exit(f"{program}: error: {e}")
+  return (kept, range(values.first_seed, values.first_seed + values.seeds),
+          publish_folder(values.publish, values.out))
