@@ -229,6 +229,34 @@ def test_power_command_prints_the_registered_computation():
   assert "registered n = 16: power 0.815 for 0.06 points" in proc.stdout
 
 
+def test_the_start_rule_is_the_registered_one():
+  """--fits applies docs/confirm.md's rule with its bench command: last
+  sitting's 213.0 images/s gave 191 minutes, too long for 180."""
+  page = " ".join(open(os.path.join(ROOT, "docs", "confirm.md")).read().split())
+  assert "python -m capsnet.bench " + " ".join(confirm.START_BENCH) in page
+  assert "1.4 x 1,650,000 images / (that speed) plus 10 minutes" in page
+  assert round(confirm.block_minutes(213.0), 1) == 190.8
+  assert round(confirm.block_minutes(1.4 * 1_650_000 / 60 / 150), 6) == 160
+  rows = [{"mode": "train", "precision": p, "variant": "ours", "conv": c,
+           "images_per_sec": speed}
+          for p, c, speed in (("bf16", "planned", 300.0), ("fp32", "dft", 250.0),
+                              ("fp32", "planned", 240.0))]
+  assert confirm.bench_speed({"results": rows}) == 240.0
+  with pytest.raises(ValueError, match="no fp32 planned training figure"):
+    confirm.bench_speed({"results": rows[:2]})
+
+
+@pytest.mark.slow
+def test_fits_runs_the_registered_bench_and_says_it_in_one_line():
+  proc = _confirm("--fits=100000")
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  line = proc.stdout.strip().splitlines()[-1]
+  assert line.startswith("confirm: ") and line.endswith("fits: start it"), line
+  proc = _confirm("--fits=0")
+  assert proc.returncode == 1
+  assert proc.stdout.strip().splitlines()[-1].endswith("does not fit: do not start it")
+
+
 @pytest.mark.slow
 @needs_mnist
 def test_a_block_end_to_end_on_a_small_model(tmp_path):

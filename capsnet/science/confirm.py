@@ -51,6 +51,30 @@ PILOT = os.path.join(grids.ROOT, "study", "along")
 TITLE = "The stop_gradient question, confirmatory (docs/confirm.md)"
 
 
+# The registered start rule: a block starts only if 1.4 x its 1,650,000
+# training images over the bench's speed, plus 10 minutes, fits the sitting.
+START_BENCH = ("--modes=train", "--variants=ours", "--convs=planned", "--precision=fp32",
+               "--rounds=2", "--steps=8", "--warmup=2")
+START_RULE = {"images": 1_650_000, "factor": 1.4, "minutes_after": 10}
+
+
+def block_minutes(images_per_sec):
+  """A block's minutes by the registered start rule, at the bench's speed."""
+  return (START_RULE["factor"] * START_RULE["images"] / images_per_sec / 60
+          + START_RULE["minutes_after"])
+
+
+def bench_speed(report):
+  """The fp32 planned training speed (images/s, the median of the rounds)
+  of a `capsnet.bench --json` report of START_BENCH.
+  Raises: ValueError if the report has no such figure."""
+  for r in report.get("results", ()):
+    if (r.get("mode"), r.get("precision"), r.get("variant"), r.get("conv")) == (
+        "train", "fp32", "ours", "planned"):
+      return r["images_per_sec"]
+  raise ValueError("no fp32 planned training figure in the bench report")
+
+
 def power_lines(pilot_found, kept):
   """The registered power computation, as lines of text, from the pilot's
   runs: its standard deviation of the primary difference, that estimate's
