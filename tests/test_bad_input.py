@@ -104,3 +104,26 @@ def test_image_size_the_data_does_not_have_leaves_nothing(tmp_path):
   assert last_line(proc) == ("train.py: error: --dataset=mnist has labels up to 9, the "
                              "model has --num_classes=5")
   assert not logdir.exists()
+
+
+def test_each_settings_field_made_by_flag_is_one_flag_with_its_bounds():
+  """config.Settings' and eval.py's Settings' fields made by config.flag are
+  their programs' flags (one list), with their kinds, defaults and bounds."""
+  import eval as eval_py
+  from absl import flags
+  fv = flags.FlagValues()
+  config.define_flags_of(config.Settings, fv)
+  made = {f.name for f in dataclasses.fields(config.Settings) if "flag" in f.metadata}
+  assert set(fv) == made and {"epochs", "keep_epochs", "sync", "replan"} <= made
+  assert not made & {"dataset", "cluster", "workers", "precision_auto"}
+  fv(["train.py", "--keep_epochs=1,5", "--epochs=3", "--nosync"])
+  assert (fv.keep_epochs, fv.epochs, fv.sync, fv.logdir) == (["1", "5"], 3, False,
+                                                             "logs/run")
+  for name, bad in (("epochs", "0"), ("ema_decay", "1.0"), ("cluster_wait_secs", "0")):
+    with pytest.raises(flags.IllegalFlagValueError):
+      fv[name].parse(bad)
+  fv = flags.FlagValues()
+  config.define_flags_of(eval_py.Settings, fv)
+  assert fv["which"].default == "best" and fv["affine_sweep"].default == []
+  with pytest.raises(flags.IllegalFlagValueError):
+    fv["which"].parse("newest")
