@@ -19,17 +19,13 @@ from capsnet.science import stats
 
 VARIANTS = grids.GRIDS["short"].variants   # r1_recon, r3_recon, r3_recon_nostop: the same flags
 
-
 EPOCHS = 10
 
-
 KEPT = (1, 2, 5, 10)              # the registered epochs
-
 
 PAIRS = (("r3_recon", "r3_recon_nostop", "the stop: nostop - stop"),
          ("r1_recon", "r3_recon", "routing with the stop: r3 - r1"),
          ("r1_recon", "r3_recon_nostop", "routing without it: r3 nostop - r1"))
-
 
 MEASURES = (   # key, what it is, its format
     ("test_margin_loss", "mean test margin loss (primary)", "+.5f"),
@@ -37,13 +33,10 @@ MEASURES = (   # key, what it is, its format
     ("affine_error", "affine-test error, %", "+.3f"),
     ("train_loss", "the epoch's training loss", "+.5f"))
 
-
 RESULTS_FILE = "along_results.json"
-
 
 SMALL_FILES = (runs.CONFIG_FILE, runs.METRICS_FILE, runs.DIAGNOSTICS_FILE,
                runs.HOST_FILE, RESULTS_FILE)
-
 
 TITLE = "The stop_gradient question along training (docs/along.md)"
 

@@ -17,17 +17,13 @@ PAIRS = (("r3_recon", "r3_recon_nostop", "the stop: nostop - stop"),
          ("r1_recon", "r3_recon", "routing with the stop: r3 - r1"),
          ("r1_recon", "r3_recon_nostop", "routing without it: r3 nostop - r1"))
 
-
 MEASURES = (("test_margin_loss", "mean test margin loss (the protocols' primary "
              "measure)", "+.5f"),
             ("test_error", "test error, % points", "+.3f"))
 
-
 ROUTED = ("r3_recon", "r3_recon_nostop")   # the variants whose couplings move
 
-
 PROTOCOLS = ("short", "along", "table1")   # study/<protocol>/results.json, shortest first
-
 
 SHORT_DECAY_STEPS = 14                     # the short protocol's compressed schedule
 

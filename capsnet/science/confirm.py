@@ -15,41 +15,21 @@ from capsnet.science import stats
 
 # The registration (docs/confirm.md); none of it changes once block 5 starts.
 SEEDS = tuple(range(5, 21))        # sixteen blocks, n fixed by POWER below
-
-
 PRECISION = "fp32"
-
-
 EPOCH = 10                         # the primary and secondary measures' epoch
-
-
 MEASURE = "test_error"             # test error, % of the 10,000 test images
-
-
 PRIMARY = ("r3_recon", "r3_recon_nostop", "the stop: nostop - stop")
-
-
 SECONDARY = (("r1_recon", "r3_recon", "routing with the stop: r3 - r1"),
              ("r1_recon", "r3_recon_nostop", "routing without it: r3 nostop - r1"))
-
-
 ALPHA = 0.05
-
-
 MARGIN = 0.10                      # equivalence: the 90% interval inside +-0.10 points
-
-
 POWER = {"effect": 0.06, "target": 0.80}   # points of test error, two-sided at ALPHA
-
 
 PILOT_SEEDS = tuple(range(0, 5))
 
-
 PILOT = os.path.join(grids.ROOT, "study", "along")
 
-
 TITLE = "The stop_gradient question, confirmatory (docs/confirm.md)"
-
 
 # The registered start rule: a block starts only if 1.4 x its 1,650,000
 # training images over the bench's speed, plus 10 minutes, fits the sitting.

@@ -18,9 +18,7 @@ from capsnet.science import report
 # steps, about 2.3 epochs of 429 steps.
 EMA_DECAY = 0.999
 
-
 _RECON = dict(stop_gradient=True, use_decoder=True)
-
 
 GRIDS = {g.name: g for g in (
     report.Grid("stop_gradient", "CapsNet on MNIST: routing variants", {
@@ -56,9 +54,7 @@ GRIDS = {g.name: g for g in (
         "r3_recon": dict(iter_routing=3, **_RECON, dataset="multimnist")}),
 )}
 
-
 AFFINE_SWEEP = tuple(range(0, 50, 5))   # the severity sweep's largest rotations
-
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the repository
 

@@ -20,7 +20,6 @@ from capsnet.science import stats
 
 LAST_EPOCHS = 10   # the decision rule's late validation figure: mean of the last 10
 
-
 SHIPPED = "shipped"   # <out>/shipped/: the shipped weights' affine results
 
 
@@ -187,11 +186,9 @@ def mean_or_none(values):
 FIGURES = (("test_error", "test error of the best-validation checkpoint, %"),
            ("last_val_error", f"mean validation error of the last {LAST_EPOCHS} epochs, %"))
 
-
 SHORT_FIGURES = (("test_error", "test error, %"),
                  ("test_margin_loss", "mean test margin loss per example"),
                  ("affine_error", "affine-test error, %"))
-
 
 # Beside the short protocol's registered measures, not part of its rule: a
 # figure no checkpoint choice touches.
