@@ -256,13 +256,13 @@ def partial_note(partial):
           "scoring missing), left out until it is complete." if partial else "")
 
 
-def measure_tables(table, kept, heading="##"):
+def measure_tables(table, kept, heading="##", pilot_primary=True):
   """A markdown table per measure: each pair's cell (`stats.cell`) at each
-  registered epoch, under `heading`; below the top (another protocol's
-  descriptive tables) without the pilot's "(primary)"."""
+  registered epoch, under `heading`; `pilot_primary` False: without the
+  pilot's "(primary)" mark (another protocol's descriptive tables)."""
   lines = []
   for key, what, spec in MEASURES:
-    what = what if heading == "##" else what.replace(" (primary)", "")
+    what = what if pilot_primary else what.replace(" (primary)", "")
     lines += [f"{heading} {what}", ""] + study_report.table(
         ["pair (A:B)", *(f"epoch {e}" for e in kept)],
         [[f"{name} ({a}:{b})", *(stats.cell(table[(a, b)][key].get(e), spec) for e in kept)]

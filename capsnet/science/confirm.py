@@ -196,7 +196,8 @@ def markdown(found, kept, decision, blocks, pooled, pilot_blocks, by_kind, parti
   table, _ = along.compare(found, kept)
   lines += ["## Descriptive: every measure and epoch", "",
             "Not part of the rule: **bold** marks an interval that excludes zero, "
-            "uncorrected.", ""] + along.measure_tables(table, kept, heading="###")
+            "uncorrected.", ""] + along.measure_tables(table, kept, heading="###",
+                                                     pilot_primary=False)
   lines += [f"## Descriptive: pooled with the pilot ({len(pilot_blocks)} + {n} blocks)", "",
             "The pilot's result (docs/along.md) chose this design, so the pooled "
             f"figures are not a test. {MEASURE} at epoch {EPOCH}:", ""]

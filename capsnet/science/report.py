@@ -430,11 +430,13 @@ def drawing(path, figsize, **subplots):
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   fig, axes = plt.subplots(figsize=figsize, **subplots)
-  yield axes
-  fig.tight_layout()
   png = io.BytesIO()
-  fig.savefig(png, format="png")
-  plt.close(fig)
+  try:
+    yield axes
+    fig.tight_layout()
+    fig.savefig(png, format="png")
+  finally:   # a plot that fails closes its figure too, and writes nothing
+    plt.close(fig)
   files.atomic_write(path, png.getvalue())
 
 
