@@ -1,18 +1,13 @@
-"""Fast VALID convolutions for the CPU: the same values and gradients as
-`tf.nn.conv2d`, computed in forms that oneDNN runs fast.
+"""Fast VALID convolutions for the CPU: the values and gradients of
+`tf.nn.conv2d`, in forms that oneDNN runs fast.
 
-One entry point, `conv2d(x, w, bias, stride, method, relu)`; `resolve_impl`
-and `choose_method` decide by rule, a plan measured on the host
-(`capsnet.running.planner`) names each layer's method instead. The
-`METHODS`: "conv2d" (TensorFlow's own), "patch_gemm" (stride 1: the filter
-and bias gradients as one GEMM of the patches), "dilated" (stride > 1: the
-gradients as stride-1 convolutions), "folded" (stride > 1, bfloat16: four
-images side by side along the width) and "dft" (an exact discrete Fourier
-transform of the used extent, every transform a small real matmul, the
-channels contracted per bin by Gauss's three products; `_dft_conv`). Every
-method is tested against `tf.nn.conv2d` in float64, value and all gradients
-(tests/test_fast_conv.py); how each works and what it costs:
-docs/performance.md.
+`conv2d(x, w, bias, stride, method, relu)` computes one by a `METHODS` name,
+which `choose_method` picks by rule or a host's plan (`capsnet.running.planner`)
+names: "conv2d" (TensorFlow's), "patch_gemm" (stride 1: the filter and bias
+gradients as one GEMM), "dilated" (stride > 1: the gradients as stride-1
+convolutions), "folded" (stride > 1, bfloat16: images side by side) and "dft"
+(an exact DFT whose transforms are small real matmuls). Each is tested against
+`tf.nn.conv2d` in float64; how each works and costs: docs/performance.md.
 """
 import numpy as np
 import tensorflow as tf
@@ -34,18 +29,13 @@ LAYERS = ("conv1", "primary_caps")
 
 
 def on_gpu(device):
-  """Whether `device` (e.g. "/gpu:0", "/device:GPU:1"; None: not given) is a
-  GPU: the one place that reads a device string for it."""
+  """Whether `device` (e.g. "/gpu:0"; None: not given) is a GPU."""
   return device is not None and "gpu" in device.lower()
 
 
 def resolve_impl(conv_impl, device=None):
-  """The `conv_impl` a model placed on `device` computes with: "custom_grad",
-  "conv2d" or "dft" as given; "auto" (without a plan) is "conv2d" on a GPU
-  device (e.g. "/gpu:0", "/device:GPU:1") and "custom_grad" anywhere else
-  (the CPU, or no device given).
-  Raises: ValueError for an unknown `conv_impl`.
-  """
+  """The `conv_impl` a model on `device` computes with: "auto" is "conv2d" on a
+  GPU, "custom_grad" elsewhere. Raises ValueError if unknown."""
   if conv_impl not in IMPLS:
     raise ValueError(f"conv_impl must be one of {IMPLS}, got {conv_impl!r}")
   if conv_impl != "auto":
@@ -54,19 +44,9 @@ def resolve_impl(conv_impl, device=None):
 
 
 def choose_method(conv_impl, dtype, stride, patch_size):
-  """The method for one convolution; the only place that decides.
-
-  Args:
-    conv_impl: "custom_grad" (the fast forms below), "conv2d" or "dft" (the
-      DFT for strided convolutions, the custom forms otherwise), from
-      `resolve_impl`.
-    dtype: the compute dtype of the convolution.
-    stride: its stride.
-    patch_size: kernel height * kernel width * input channels.
-  Returns: one of `METHODS`.
-  Raises:
-    ValueError: an unknown `conv_impl`.
-  """
+  """The `METHODS` name for one convolution of `stride` and `patch_size` (kernel
+  area * input channels) in `dtype`, by `conv_impl`'s rule. Raises ValueError
+  for an unknown `conv_impl`."""
   if conv_impl not in ("custom_grad", "conv2d", "dft"):
     raise ValueError("conv_impl must be 'custom_grad', 'conv2d' or 'dft', "
                      f"got {conv_impl!r}")
@@ -92,11 +72,8 @@ def format_plan(methods):
 
 
 def parse_plan(plan):
-  """{layer: method} of a plan string ("" -> {}).
-
-  Raises: ValueError naming the plan if a layer or method is unknown or
-  missing, or a method does not fit its layer's stride kind.
-  """
+  """{layer: method} of a plan string ("" -> {}). Raises ValueError naming the
+  plan for an unknown, missing or misfit layer or method."""
   if not plan:
     return {}
   methods = {}
@@ -117,17 +94,8 @@ def parse_plan(plan):
 def conv2d(x, w, bias, stride, method, relu=False):
   """`relu(conv2d(x, w, stride, VALID) + bias)` computed by `method`.
 
-  Args:
-    x: `[batch, h, w, c]` (the batch may be unknown).
-    w: `[k, k', c, n]`, a tensor or variable in x's dtype.
-    bias: `[n]` in x's dtype.
-    stride: int.
-    method: one of `METHODS` ("patch_gemm" needs stride 1; "dilated" and
-      "folded" need stride > 1).
-    relu: apply a ReLU.
-  Returns: `[batch, (h - k) // stride + 1, (w - k') // stride + 1, n]`.
-  Raises:
-    ValueError: an unknown method, or one that does not fit the stride.
+  x `[batch, h, w, c]`, w `[k, k', c, n]` and bias `[n]` in one dtype. Raises
+  ValueError for an unknown method or one that does not take the stride.
   """
   if method not in METHODS:
     raise ValueError(f"fast_conv.conv2d: method must be one of {METHODS}, got {method!r}")
@@ -148,14 +116,8 @@ def conv2d(x, w, bias, stride, method, relu=False):
 
 
 def _patch_grad_conv(x, w, bias, relu):
-  """Stride-1 VALID `conv2d(x, w) + bias` (then ReLU) whose filter and bias
-  gradients are one GEMM, `[patches, 1]^T @ dy`; the input gradient is
-  TensorFlow's (pruned when nothing needs it, as for the images).
-
-  Args:
-    x: `[batch, h, w, c]`; w: `[k, k', c, n]`; bias: `[n]`; relu: bool.
-  Returns: `[batch, h - k + 1, w - k' + 1, n]`.
-  """
+  """Stride-1 `conv2d(x, w) + bias` (then ReLU) whose filter and bias gradients
+  are one GEMM, `[patches, 1]^T @ dy`."""
   @tf.custom_gradient
   def conv(x, w, bias):
     y = tf.nn.bias_add(tf.nn.conv2d(x, w, strides=1, padding="VALID"), bias)
@@ -180,14 +142,8 @@ def _patch_grad_conv(x, w, bias, relu):
 
 
 def _strided_conv(x, w, stride, folded):
-  """conv2d(x, w, stride, VALID) whose gradients are stride-1 convolutions.
-
-  Args:
-    x: `[batch, h, w, c]`; w: `[k, k', c, n]` (a tensor); stride: int.
-    folded: the "folded" method (folded forward and phase input gradient);
-      else "dilated" (conv2d forward, dilated input gradient).
-  Returns: `[batch, (h - k) // stride + 1, (w - k') // stride + 1, n]`.
-  """
+  """conv2d(x, w, stride, VALID) whose gradients are stride-1 convolutions;
+  `folded`: the "folded" method, else "dilated"."""
   @tf.custom_gradient
   def conv(x, w):
     if folded:
@@ -214,15 +170,12 @@ def _strided_conv(x, w, stride, folded):
 
 
 def _dilated_input_grad(dy, w, h, wd, s):
-  """Input gradient of `conv2d(x, w, s, VALID)` as one stride-1 convolution:
-  `w` (output channels as the batch) is the input, zero-padded by the
-  convolution itself, and dy (flipped, batch as output channels) the kernel,
-  dilated by the stride. oneDNN skips the padded taps.
+  """Input gradient of `conv2d(x, w, s, VALID)` as one stride-1 convolution: `w`
+  (output channels as the batch) is the input, zero-padded by the convolution,
+  and dy (flipped) the kernel, dilated by s.
 
-  `dx[b, y, c] = sum_{o, n} dy[b, o, n] w[y - s*o, c, n]`: with
-  `q = oh - 1 - o`, w's index is `y + s*q - s*(oh - 1)`.
-
-  Returns: `[batch, h, wd, c]`.
+  `dx[b, y, c] = sum_{o, n} dy[b, o, n] w[y - s*o, c, n]`: with `q = oh - 1 -
+  o`, w's index is `y + s*q - s*(oh - 1)`.
   """
   kh, kw = w.shape[0], w.shape[1]
   oh, ow = dy.shape[1], dy.shape[2]
@@ -235,18 +188,11 @@ def _dilated_input_grad(dy, w, h, wd, s):
 
 def _folded_conv(x, w, stride):
   """conv2d(x, w, stride, VALID) as one stride-1 convolution over a
-  space-to-depth view of x, with `FOLD` images side by side along the width.
+  space-to-depth view of x, `FOLD` images side by side along the width.
 
-  The kernel, zero-padded to a multiple of the stride, is rearranged to
-  `[ceil(k/s), ceil(k'/s), s*s*c, n]`, so each output is the same sum of
-  products plus products with zero taps. The folded input gives rows of
-  FOLD * (w / s) - ceil(k'/s) + 1 outputs, of which the columns that
-  straddle two images are dropped.
-
-  Args:
-    x: `[batch, h, w, c]` (any batch size: padded to a multiple of FOLD);
-    w: `[k, k', c, n]`; stride: int.
-  Returns: `[batch, (h - k) // stride + 1, (w - k') // stride + 1, n]`.
+  The kernel, zero-padded to a multiple of the stride, becomes `[ceil(k/s),
+  ceil(k'/s), s*s*c, n]`; the output columns that straddle two images are
+  dropped.
   """
   s, fold = stride, FOLD
   h, wd, c = x.shape[1], x.shape[2], x.shape[3]
@@ -268,22 +214,11 @@ def _folded_conv(x, w, stride):
 
 
 def _phase_input_grad(dy, w, h, wd, s):
-  """Input gradient of `conv2d(x, w, s, VALID)` from dy, phase by phase.
-
-  Phase (py, px) of dx (rows y = s*m + py, columns s*l + px) is the full
-  correlation of dy with the flipped sub-kernel `w[py::s, px::s]`, computed
-  as the input gradient of a stride-1 VALID convolution with the sub-kernel
-  as it is (w is neither flipped nor transposed). `FOLD` images lie side by
-  side along the width, each followed by L - 1 zero columns, so the
-  convolution's rows are FOLD times as wide and every output column belongs
-  to one image. The phases are interleaved into `[batch, h, w, c]` by one
-  transpose.
-
-  Args:
-    dy: `[batch, oh, ow, n]`; w: `[k, k', c, n]`; h, wd: x's height and
-    width; s: the stride.
-  Returns: `[batch, h, wd, c]`.
-  """
+  """Input gradient of `conv2d(x, w, s, VALID)`, phase by phase: phase (py, px)
+  of dx is the full correlation of dy with the sub-kernel `w[py::s, px::s]`,
+  computed as a stride-1 input gradient, with `FOLD` images side by side (each
+  followed by zero columns); one transpose interleaves the phases into `[batch,
+  h, wd, c]`."""
   fold = FOLD
   oh, ow = dy.shape[1], dy.shape[2]
   kh, kw, c, _ = w.shape
@@ -311,8 +246,8 @@ def _phase_input_grad(dy, w, h, wd, s):
 
 
 def _kernel_phases(w, s):
-  """`w` `[k, k', c, n]` zero-padded to multiples of s and viewed as
-  `[ceil(k/s), s, ceil(k'/s), s, c, n]`: `w[s*q + p]` at `[q, p]`."""
+  """`w` zero-padded to multiples of s, viewed as `[ceil(k/s), s, ceil(k'/s), s,
+  c, n]`: `w[s*q + p]` at `[q, p]`."""
   kh, kw, c, n = w.shape
   rk, rl = -(-kh // s), -(-kw // s)
   wp = tf.pad(w, [[0, rk * s - kh], [0, rl * s - kw], [0, 0], [0, 0]])
@@ -327,18 +262,13 @@ def _fold_width(t, fold):
 
 
 def _dft_matrices(size, used, outputs, stride, real):
-  """The DFT's real matrices along one axis, float64 numpy.
+  """The DFT's real matrices along one axis (float64 numpy) of `size` positions
+  of which the first `used` = N are read (N points), with `outputs` outputs at
+  0, stride, ...; `real`: bins 0 .. N // 2 only.
 
-  The axis has `size` input positions, of which the first `used` = N are
-  read (the DFT has N points; positions >= N get zero columns, so no input
-  is sliced off); `outputs` strided outputs at 0, stride, 2 stride, ...
-
-  Args:
-    real: a real DFT (bins 0 .. N // 2, the width) instead of a full one.
-  Returns: (cos [bins, size], -sin [bins, size]: the forward transform's
-    real and imaginary parts; icos [outputs, bins], isin [outputs, bins]:
-    the inverse's at the outputs, cos and sin of +2 pi f p / N, over N and
-    for the real DFT with the weights of the bins' conjugate twins).
+  Returns (cos, -sin) [bins, size] of the forward transform and (icos, isin)
+  [outputs, bins] of the inverse at the outputs (over N; a real DFT's bins
+  weighted for their conjugate twins).
   """
   n = used
   bins = n // 2 + 1 if real else n
@@ -364,16 +294,9 @@ PARTS = ([(1, 0), (0, 1)], [(1, 0), (0, 1)], [(1, 0), (0, 1)])
 
 
 def _dft2(t, rows, cols, mix, dtype):
-  """Real combinations of the 2-D DFT of `t` `[h, w, ...]` (real along w,
-  full along h) in two matmuls: the width's cos and -sin rows stacked, then
-  one matrix that takes the height's complex transform and the combinations
-  `mix` [(a, b), ...] (a re + b im) at once.
-
-  Args:
-    rows, cols: `_dft_matrices` of the height (full) and the width (real).
-  Returns: `[len(mix) * bins_h, bins_w * prod(...)]`, the combinations one
-    after another, each `[bins_h, bins_w, ...]` flattened after its first axis.
-  """
+  """Real combinations `mix` [(a, b), ...] (a re + b im) of the 2-D DFT of `t`
+  `[h, w, ...]` (real along w) in two matmuls, by the `_dft_matrices` `rows` and
+  `cols`: `[len(mix) * bins_h, bins_w * prod(...)]`."""
   (hc, hs), (wc, ws) = rows[:2], cols[:2]
   h, w = t.shape[0], t.shape[1]
   a_b = tf.matmul(tf.constant(np.concatenate([wc, ws]), dtype),
@@ -385,14 +308,9 @@ def _dft2(t, rows, cols, mix, dtype):
 
 
 def _idft2(p, rows, cols, mix, dtype):
-  """The inverse at the strided outputs, real part, of `re = sum_q a_q p_q`,
-  `im = sum_q b_q p_q` for `mix` [(a_q, b_q), ...]: two matmuls, the height's
-  complex inverse applied to the combination at once, then the width's.
-
-  Args:
-    p: `[len(mix) * bins_h, bins_w * r]`, the blocks `p_q` one after another.
-  Returns: `[outputs_h, outputs_w, r]`.
-  """
+  """The real part of the inverse at the strided outputs of `re = sum_q a_q
+  p_q`, `im = sum_q b_q p_q` for `mix` [(a_q, b_q), ...], in two matmuls:
+  `[outputs_h, outputs_w, r]` from `p` `[len(mix) * bins_h, bins_w * r]`."""
   (hic, his), (wic, wis) = rows[2:], cols[2:]
   oh, bw = hic.shape[0], wic.shape[1]
   # z_re = hic re - his im, z_im = his re + hic im; rows (output row, re|im)
@@ -407,23 +325,12 @@ def _idft2(p, rows, cols, mix, dtype):
 def _dft_conv(x, w, stride):
   """conv2d(x, w, stride, VALID) by the discrete Fourier transform (exact).
 
-  The correlation `y[p, q] = sum_{m, l} x[p + m, q + l] w[m, l]` on the used
-  extent N_h x N_w (N = stride (outputs - 1) + kernel) is the inverse DFT of
-  `X conj(W)`; with N that large nothing wraps round at the strided outputs.
-  The complex product per bin, `(Xr + i Xi)(Wr - i Wi)`, is three real
-  matmuls (Gauss): k1 = (Xr + Xi) Wr, k2 = Xr (-Wi - Wr), k3 = Xi (Wr - Wi);
-  re = k1 - k3, im = k1 + k2. The operands come straight from the height's
-  transform (`_dft2` with the combinations `GAUSS`), all three products are
-  one batched matmul, and the height's inverse takes the sums with it
-  (`_idft2`). In bfloat16 the transforms are float32 and
-  only the contraction bfloat16, as four products (Xr Wr + Xi Wi, Xi Wr -
-  Xr Wi): TensorFlow's CPU matmul rounds a bfloat16 product's output to
-  bfloat16 (there is no bfloat16 x bfloat16 -> float32 kernel), and Gauss's
-  difference k1 - k3 would cancel; the result is cast back to x's dtype.
-
-  Args:
-    x: `[batch, h, w, c]`; w: `[k, k', c, n]`; stride: int.
-  Returns: `[batch, (h - k) // stride + 1, (w - k') // stride + 1, n]`.
+  The correlation on the used extent N = stride (outputs - 1) + kernel is the
+  inverse DFT of `X conj(W)`; nothing wraps round at the strided outputs. Per
+  bin the complex product is Gauss's three real matmuls (`GAUSS`), one batched
+  matmul. In bfloat16 the transforms are float32 and the contraction four
+  bfloat16 products (`PARTS`): TensorFlow's CPU matmul rounds a bfloat16 product
+  to bfloat16, and Gauss's k1 - k3 would cancel.
   """
   h, wd, c = x.shape[1], x.shape[2], x.shape[3]
   kh, kw, _, n = w.shape
@@ -441,9 +348,6 @@ def _dft_conv(x, w, stride):
                   [len(w_mix), bins, c, n])
   with tf.name_scope("products"):   # (the benchmark's roofline books them apart)
     if compute == tf.bfloat16:
-      # Four products, not Gauss's three: their bfloat16 outputs are rounded,
-      # and Gauss's k1 - k3 cancels, doubling the error (measured:
-      # docs/performance.md).
       low = lambda t: tf.cast(t, compute)
       mm = lambda a, b: tf.cast(tf.matmul(low(a), low(b)), exact)
       (xr, xi), (wr, wi) = tf.unstack(xs), tf.unstack(ws)

@@ -3,17 +3,10 @@ import tensorflow as tf
 
 
 def margin_loss(lengths, labels, m_plus=0.9, m_minus=0.1, down_weight=0.5):
-  """Margin loss (Eq. 4), summed over classes.
-
-  `L_k = T_k max(0, m+ - |v_k|)^2 + lambda (1 - T_k) max(0, |v_k| - m-)^2`.
-
-  Args:
-    lengths: `[batch, num_classes]` capsule lengths, in [0, 1).
-    labels: `[batch]` int class ids, or `[batch, k]` for k classes present
-      in each image (MultiMNIST: 2), each with T_k = 1.
-    m_plus, m_minus, down_weight: m+, m- and lambda of Eq. 4.
-  Returns: `[batch]` per-example loss.
-  """
+  """Margin loss (Eq. 4) `[batch]`, summed over classes: `L_k = T_k max(0, m+ -
+  |v_k|)^2 + lambda (1 - T_k) max(0, |v_k| - m-)^2`. `labels` are `[batch]`
+  class ids, or `[batch, k]` for k classes present in each image (MultiMNIST),
+  each with T_k = 1."""
   t = tf.one_hot(labels, lengths.shape[-1], dtype=lengths.dtype)
   if t.shape.rank == 3:   # several labels an image
     t = tf.reduce_max(t, axis=1)
@@ -23,12 +16,7 @@ def margin_loss(lengths, labels, m_plus=0.9, m_minus=0.1, down_weight=0.5):
 
 
 def reconstruction_loss(reconstructions, images, weight=0.0005):
-  """`weight` times the sum of squared pixel errors (Section 4.1).
-
-  Args:
-    reconstructions: `[batch, pixels]` decoder output.
-    images: `[batch, height, width, channels]` inputs in [0, 1].
-  Returns: `[batch]` per-example loss.
-  """
+  """`weight` times the sum of squared pixel errors (Section 4.1) `[batch]` of
+  `reconstructions` `[batch, pixels]` against `images` in [0, 1]."""
   target = tf.reshape(images, tf.shape(reconstructions))
   return weight * tf.reduce_sum(tf.square(reconstructions - target), axis=-1)

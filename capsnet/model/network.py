@@ -158,28 +158,18 @@ Outputs = collections.namedtuple("Outputs", [
 
 
 def forward(images, labels, cfg, training, device=None, targets=None, heads="one_digit"):
-  """Builds CapsNet on `images` in variable scope `capsnet` (AUTO_REUSE).
-
-  Calling it again (another tower, an eval graph) reuses the same variables.
+  """Builds CapsNet on `images` in variable scope `capsnet` (AUTO_REUSE: another
+  tower or an eval graph reuses the variables); returns `Outputs`.
 
   Args:
     images: `[batch, image_size, image_size, image_channels]` in [0, 1].
-    labels: `[batch]` int class ids, or with the two-digit heads `[batch, 2]`:
-      two digits of different classes an image (MultiMNIST, Section 6).
-    cfg: a `ModelConfig`.
-    training: if True the decoder sees the capsules masked by the true label,
-      otherwise by the predicted class (two digits: by each label in turn,
-      or each of the two longest capsules).
-    targets: with `[batch, 2]` labels and the decoder: `[batch, 2, h, w, c]`
-      in [0, 1], each digit alone, the reconstruction targets.
+    labels: `[batch]` class ids, or `[batch, 2]` with the two-digit heads.
+    training: the decoder sees the capsule of the true label, else of the
+      predicted class.
     device: the device the model is placed on, for `conv_impl="auto"`.
-    heads: the name of the task's `HEADS` (the task's `heads`): the losses,
-      decoder and prediction on the digit capsules.
-  Returns: an `Outputs` tuple.
-  Raises:
-    ValueError: if `images` or `labels` do not have the shapes the config
-      and the task give, or two digits an image come without targets for
-      the decoder.
+    targets: the two-digit heads' reconstruction targets `[batch, 2, h, w, c]`.
+    heads: the name of the task's `HEADS`: losses, decoder and prediction.
+  Raises: ValueError if images, labels or targets do not fit the config and heads.
   """
   if heads not in HEADS:
     raise ValueError(f"forward: heads={heads!r}: expected one of {sorted(HEADS)}")
@@ -220,13 +210,10 @@ def forward(images, labels, cfg, training, device=None, targets=None, heads="one
 
 
 def _one_digit_heads(v, lengths, labels, images, cfg, training):
-  """The paper's heads (Section 3, 4.1): the margin loss for the label; the
-  decoder on the label's capsule (the predicted one outside training), its
-  loss against the image; the longest capsule as the prediction.
-
-  Returns: (predictions `[b]`, reconstructions `[b, pixels]` or None,
-    margin loss `[b]`, reconstruction loss `[b]`, correct `[b]`).
-  """
+  """The paper's heads (Section 3, 4.1): margin loss, the decoder on the label's
+  capsule (the predicted one outside training), the longest capsule as the
+  prediction. Returns (predictions `[b]`, reconstructions or None, margin loss,
+  reconstruction loss, correct)."""
   predictions = tf.argmax(lengths, axis=1, output_type=tf.int32)
   margin = losses.margin_loss(lengths, labels, cfg.m_plus, cfg.m_minus, cfg.down_weight)
   recon, recon_loss = None, tf.zeros_like(margin)
@@ -238,14 +225,11 @@ def _one_digit_heads(v, lengths, labels, images, cfg, training):
 
 
 def _two_digit_heads(v, lengths, labels, targets, cfg, training):
-  """MultiMNIST heads (Section 6): the margin loss with both labels present;
-  each digit reconstructed from its own capsule (the other masked out),
-  the reconstruction loss the sum of both terms; the two longest capsules
-  as the prediction, correct only if they are exactly the two labels.
-
-  Returns: (predictions `[b, 2]`, reconstructions `[b, 2, pixels]` or None,
-    margin loss `[b]`, reconstruction loss `[b]`, correct `[b]`).
-  """
+  """MultiMNIST heads (Section 6): margin loss with both labels present, each
+  digit reconstructed from its own capsule, the two longest capsules as the
+  prediction (correct if they are the two labels). Returns (predictions `[b,
+  2]`, reconstructions `[b, 2, pixels]` or None, margin loss, reconstruction
+  loss, correct)."""
   top2 = tf.math.top_k(lengths, 2).indices                     # [b, 2]
   margin = losses.margin_loss(lengths, labels, cfg.m_plus, cfg.m_minus,
                               cfg.down_weight)
@@ -272,18 +256,9 @@ HEADS = {"one_digit": Heads(_one_digit_heads, 1, False),
 
 
 def decode(v, classes, cfg):
-  """The decoder's image of capsule `classes[n]` of `v[n]`, the others masked.
-
-  Builds on the variables of `forward` (scope `capsnet`); with `v` fed
-  freely it draws perturbed capsules (Figure 4 of the paper).
-
-  Args:
-    v: `[batch, num_classes, digit_dim]` digit capsules.
-    classes: `[batch]` int, the capsule to keep.
-  Returns: `[batch, num_pixels]` in (0, 1).
-  Raises:
-    ValueError: a config without the decoder.
-  """
+  """The decoder's image `[batch, num_pixels]` of capsule `classes[n]` of
+  `v[n]`, the others masked, on `forward`'s variables; with `v` fed freely it
+  draws perturbed capsules (Figure 4). Raises ValueError without a decoder."""
   if not cfg.use_decoder:
     raise ValueError("decode: the config has use_decoder=False")
   with tf.compat.v1.variable_scope("capsnet", reuse=tf.compat.v1.AUTO_REUSE):
@@ -323,24 +298,11 @@ def _placement(variable_device, compute_device):
 
 def tower_gradients(images, labels, cfg, optimizer, devices, variable_device=None,
                     targets=None, heads="one_digit"):
-  """Splits the batch over towers and computes each tower's gradients.
-
-  Towers are `tower_{i}` name scopes over one reused `capsnet` variable
-  scope, so variable names do not depend on the number of towers. The
-  variables live on `variable_device` if given, else on the one device, or
-  on the CPU with several towers (as in the multi-GPU CIFAR-10 example).
-
-  Args:
-    images, labels: the whole batch; its size must divide by len(devices).
-    targets: the MultiMNIST reconstruction targets of the batch, or None.
-    heads: the task's heads (see `forward`).
-    variable_device: where the variables go whatever the number of towers
-      (a device, or a device function: the ps tasks of a cluster), or None.
-    devices: one device string per tower, e.g. ["/gpu:0", "/gpu:1"].
-  Returns:
-    grads_and_vars: gradients averaged over the towers.
-    outputs: list of per-tower `Outputs`.
-  """
+  """Splits the batch over `devices` (one tower each, name scopes `tower_{i}`
+  over one `capsnet` variable scope) and returns (grads_and_vars averaged over
+  the towers, the towers' `Outputs`). The variables live on `variable_device` if
+  given (a device or device function), else on the one device, or on the CPU
+  with several towers."""
   if not devices:
     raise ValueError("tower_gradients: need at least one device")
   n = len(devices)
@@ -371,13 +333,8 @@ def tower_mean(tensors):
 
 
 def average_gradients(tower_grads):
-  """Averages gradients over towers (`tower_mean`).
-
-  Args:
-    tower_grads: one list of (gradient, variable) pairs per tower, all with
-      the variables in the same order.
-  Returns: one list of (mean gradient, variable) pairs.
-  """
+  """One list of (mean gradient, variable) pairs from one list a tower (the
+  variables in the same order)."""
   averaged = []
   for pairs in zip(*tower_grads):
     grads = [g for g, _ in pairs if g is not None]
@@ -387,11 +344,9 @@ def average_gradients(tower_grads):
 
 
 def routing_movement(c):
-  """How far routing moved the coupling coefficients `c [batch, in_caps,
-  out_caps]` from uniform, per example: (the mean over the input capsules of
-  the entropy of c_i over out_caps, in nats: log(out_caps) when uniform, 0
-  when each input picks one output; the mean of max_j c_ij: 1 / out_caps
-  when uniform), each `[batch]`."""
+  """How far routing moved the couplings `c [batch, in_caps, out_caps]` from
+  uniform, per example: (the mean entropy of c_i over out_caps, in nats:
+  log(out_caps) when uniform; the mean of max_j c_ij), each `[batch]`."""
   entropy = -tf.reduce_sum(tf.math.xlogy(c, c), axis=2)   # [b, i]; 0 log 0 = 0
   return tf.reduce_mean(entropy, axis=1), tf.reduce_mean(tf.reduce_max(c, axis=2), axis=1)
 
@@ -401,14 +356,9 @@ DIAG_VARS = ("digit_caps/weights", "primary_caps/weights", "conv1/weights")
 
 def gradient_diagnostic(images, labels, cfg, device=None, targets=None,
                         heads="one_digit"):
-  """How much of the gradient flows through the routing coefficients.
-
-  Builds the model twice on the same variables and batch, with the stop on
-  and off, and returns for W and the conv weights
-  `||g_full - g_stop|| / ||g_full||` (0 for r = 1).
-
-  Returns: dict short variable name -> scalar tensor.
-  """
+  """How much of the gradient flows through the routing coefficients: {variable:
+  `||g_full - g_stop|| / ||g_full||`} (0 for r = 1), the model built twice on
+  the same variables and batch."""
   grads = {}
   for stop in (True, False):
     mode = dataclasses.replace(cfg, stop_gradient=stop)
@@ -423,10 +373,9 @@ def gradient_diagnostic(images, labels, cfg, device=None, targets=None,
 
 
 def training_summaries(out, images, lr):
-  """TensorBoard summaries of a training step: the loss terms, accuracy,
-  learning rate, routing entropy and max c per iteration, and inputs beside
-  their reconstructions. Created once, from tower 0, outside the tower
-  scopes."""
+  """TensorBoard summaries of a training step (tower 0): loss terms, accuracy,
+  learning rate, routing entropy and max c per iteration, inputs beside their
+  reconstructions."""
   scalar = tf.compat.v1.summary.scalar
   items = [scalar("loss/total", out.loss),
            scalar("loss/margin", tf.reduce_mean(out.margin_loss)),

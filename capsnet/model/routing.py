@@ -1,24 +1,14 @@
-"""Squash (Eq. 1) and dynamic routing (Procedure 1) of Sabour et al. 2017.
+"""Squash (Eq. 1) and dynamic routing (Procedure 1) of Sabour et al. 2017;
+tensors in and out, no variables, no config.
 
-Tensor in, tensor out: this module owns no variables and reads no config.
-
-Layout. The prediction vectors are `u_hat[batch, in_caps, out_caps, out_dim]`
-and the logits `b` and coefficients `c` are `[batch, in_caps, out_caps]`, the
-paper's `b_ij`, `c_ij` (i = input, j = output capsule).
-
-`procedure_1` is Procedure 1 as the paper writes it: `s_j = sum_i c_ij
-u_hat_j|i`, the agreement `u_hat_j|i . v_j`. `dynamic_routing`, which the
-model uses, computes the same in two batched matmuls over the batch that
-read `u_hat` in place, viewed as `[batch, in_caps, out_caps * out_dim]`
-(no transpose and no `u_hat`-sized product of the large tensor):
-- `s_j`: `c^T @ u_hat` gives `[batch, out_caps, out_caps * out_dim]`, every
-  (j, j') pair, of which the diagonal j = j' is kept (out_caps times the
-  FLOPs of the sum, still ~1% of the model's);
-- the agreement: `u_hat @ V`, with `V[(j, d), j'] = v_jd delta_jj'`
-  block-diagonal.
-The two agree to rounding (tests/test_routing.py, float64); what the
-matmuls buy on this machine: `python -m capsnet.bench --modes=routing`
-(routing runs in float32 under both precisions).
+`u_hat` is `[batch, in_caps, out_caps, out_dim]`, the logits `b` and couplings
+`c` `[batch, in_caps, out_caps]` (the paper's `b_ij`, `c_ij`). `procedure_1` is
+Procedure 1 as the paper writes it. `dynamic_routing`, which the model uses,
+computes the same in two batched matmuls that read `u_hat` in place as `[batch,
+in_caps, out_caps * out_dim]`: `s_j` as the diagonal j = j' of `c^T @ u_hat`,
+the agreement as `u_hat @ V` with `V[(j, d), j'] = v_jd delta_jj'`. They agree
+to rounding (tests/test_routing.py); the speed: `python -m capsnet.bench
+--modes=routing`.
 """
 import tensorflow as tf
 
@@ -35,16 +25,9 @@ def safe_norm(x, axis=-1, keepdims=False):
 
 
 def squash(s, axis=-1):
-  """Squash non-linearity (Eq. 1): `|s|^2 / (1 + |s|^2) * s / |s|`.
-
-  Keeps the direction of `s` and maps its length into [0, 1). Value and
-  gradient are finite (both zero) at `s = 0`.
-
-  Args:
-    s: `[..., dim]` capsule input vectors.
-    axis: the capsule dimension.
-  Returns: a tensor of the shape of `s`.
-  """
+  """Squash non-linearity (Eq. 1) along `axis`: `|s|^2 / (1 + |s|^2) * s / |s|`,
+  the direction of `s` kept, its length mapped into [0, 1); value and gradient
+  are finite (zero) at `s = 0`."""
   with tf.name_scope("squash"):
     sq = tf.reduce_sum(tf.square(s), axis=axis, keepdims=True)
     norm = tf.sqrt(sq + _NORM_EPS)
@@ -55,16 +38,10 @@ def ordered_sum(tensors):
   """`tensors[0] + tensors[1] + ...`, added left to right: the same bits in
   every run, however busy the machine.
 
-  `tf.add_n`, and the AddN that `tf.gradients` puts where a tensor has
-  several consumers, is not: TensorFlow's CPU kernel moves whichever input
-  buffer it may reuse for its output to the front of the sum, and which one
-  that is depends on which other ops still hold their inputs at that moment
-  (measured: two 100-step `r3_recon_nostop` runs repeated bit for bit on an
-  idle machine and differed in every variable beside a busy loop;
-  docs/training.md). A binary add is commutative, so a chain of them gives
-  one answer; a reshape between the links (flat, then the input's shape)
-  keeps Grappler's arithmetic optimizer from merging the chain back into
-  one AddN.
+  `tf.add_n` (and the AddN `tf.gradients` puts where a tensor has several
+  consumers) is not: the CPU kernel moves whichever input buffer it may reuse to
+  the front of the sum, which depends on timing (docs/training.md). A reshape
+  between the links keeps Grappler from merging the chain into AddN.
   """
   total = tensors[0]
   for k, t in enumerate(tensors[1:]):
@@ -114,31 +91,21 @@ def procedure_1(u_hat, num_iters, stop_gradient=True, bias=None):
 
 
 def dynamic_routing(u_hat, num_iters, stop_gradient=True, bias=None):
-  """Routing by agreement (Procedure 1), unrolled in Python.
+  """Routing by agreement (Procedure 1), unrolled in Python, one
+  `variable_scope("iter_{r}")` per iteration.
 
-  One `variable_scope("iter_{r}")` per iteration. The logits `b` start at zero
-  for every example (never shared across the batch); `c = softmax(b)` over the
-  output capsules. With `stop_gradient=True` the inner iterations
-  (r < num_iters - 1) read `tf.stop_gradient(u_hat)`: their forward values are
-  unchanged, but no gradient flows through the coupling coefficients, so the
-  loss reaches `u_hat` only through the last weighted sum
-  `s = sum_i c_ij u_hat_j|i` with `c` acting as a constant. With
-  `stop_gradient=False` every iteration reads the live `u_hat` (the 2r - 1
-  reads' gradients added in a fixed order, `ordered_sum`).
+  The logits `b` start at zero for every example; `c = softmax(b)` over the
+  output capsules. With `stop_gradient` the inner iterations read
+  `tf.stop_gradient(u_hat)`: the same values, but no gradient flows through the
+  coupling coefficients, so the loss reaches `u_hat` only through the last
+  weighted sum `s = sum_i c_ij u_hat_j|i`, `c` acting as a constant. Without it
+  every iteration reads the live `u_hat` (the 2r - 1 reads' gradients added by
+  `ordered_sum`). `bias` `[out_caps, out_dim]` (the official code's) is added to
+  `s_j` in every iteration.
 
-  Args:
-    u_hat: `[batch, in_caps, out_caps, out_dim]` prediction vectors.
-    num_iters: number of routing iterations r >= 1.
-    stop_gradient: whether the inner iterations read a stopped `u_hat`.
-    bias: None, or `[out_caps, out_dim]` added to `s_j` before the squash in
-      every iteration (the official code's capsule layer).
-  Returns:
-    v: `[batch, out_caps, out_dim]` output capsules (squashed).
-    couplings: `num_iters` tensors `[batch, in_caps, out_caps]`, the coupling
-      coefficients of each iteration, the first one first; each sums to 1
-      over `out_caps`.
-  Raises:
-    ValueError: if `u_hat` is not rank 4 or `num_iters < 1`.
+  Returns: v `[batch, out_caps, out_dim]` (squashed); the `num_iters` coupling
+  coefficients `[batch, in_caps, out_caps]`, first first. Raises ValueError if
+  `u_hat` is not rank 4 or `num_iters < 1`.
   """
   _check(u_hat, num_iters)
   in_caps, out_caps, out_dim = u_hat.shape[1:]
