@@ -1,18 +1,12 @@
-"""The affine test set: each MNIST test image once, affinely transformed.
+"""The affine test set: each MNIST test image once (file order), affinely
+transformed, 28x28, from a fixed seed.
 
-One copy of each of the 10,000 test images (in file order), 28x28, from a
-fixed seed: a rotation, a shear, a horizontal and a vertical scale drawn
-uniformly in affNIST's ranges (https://www.cs.toronto.edu/~tijmen/affNIST/:
-rotation within 20 degrees, shear within 0.2, each scale in [0.8, 1.2]) and
-a translation within 2 pixels, all about the image's centre; a draw that
-would move the ink's bounding box out of the frame is repeated. Resampled
-bilinearly by TensorFlow's ImageProjectiveTransformV3 (zero fill) in
-float64, rounded to uint8. Not the paper's affNIST, which is 40x40 and
-scored after training on translated 40x40 MNIST (docs/short.md).
-
-The set is made afresh each time it is asked for (about a second: 0.7 s to
-draw, 0.3 s to resample, on a 2-core Zen 5) and its
-md5 checked against `MD5`, so no cache can go stale or be damaged.
+A rotation, shear and horizontal and vertical scale drawn uniformly in affNIST's
+ranges (rotation within 20 degrees, shear within 0.2, scales in [0.8, 1.2]) and
+a translation within 2 pixels, about the image's centre; a draw that moves the
+ink out of the frame is repeated. Resampled bilinearly (zero fill) in float64,
+rounded to uint8. Not the paper's 40x40 affNIST (docs/short.md). Made afresh
+each time (about a second) and checked against `MD5`, so no cache can go stale.
 """
 import dataclasses
 import hashlib
@@ -53,13 +47,9 @@ class AffineError(ValueError):
 
 
 def forward_matrix(params):
-  """The 2x3 map from input (x, y) to output pixel coordinates.
-
-  Args:
-    params: `[5 + 2]` rotation (radians), shear, scale_x, scale_y, shift_x,
-      shift_y, unused; x is the column, y the row.
-  Returns: `[2, 3]` float64 [A | b]: out = A (in - c) + c + t.
-  """
+  """The `[2, 3]` float64 [A | b] mapping input (x, y) (x the column) to output
+  pixel coordinates, out = A (in - c) + c + t, for `params` (rotation in
+  radians, shear, scale_x, scale_y, shift_x, shift_y)."""
   theta, shear, sx, sy, tx, ty = params[:6]
   rot = np.array([[np.cos(theta), -np.sin(theta)], [np.sin(theta), np.cos(theta)]])
   a = rot @ np.array([[1.0, shear], [0.0, 1.0]]) @ np.diag([sx, sy])
@@ -98,12 +88,9 @@ def fits(params, box, size=SIZE):
 
 
 def draw(images, ranges=AFFNIST, seed=SEED):
-  """One parameter row an image, `[n, 6]` float64 (rotation in radians,
-  shear, scale_x, scale_y, shift_x, shift_y), each image's draw repeated
-  until its ink fits the frame. Deterministic in (images, ranges, seed).
-
-  Raises: AffineError if an image fits no draw in MAX_DRAWS.
-  """
+  """One parameter row an image, `[n, 6]` float64 (`forward_matrix`'s), each
+  draw repeated until the ink fits the frame; deterministic in (images, ranges,
+  seed). Raises AffineError if an image fits no draw in MAX_DRAWS."""
   rng = np.random.default_rng(seed)
   out = np.zeros([len(images), 6])
   rot = np.deg2rad(ranges.rotation_deg)
@@ -125,13 +112,8 @@ def draw(images, ranges=AFFNIST, seed=SEED):
 
 
 def apply(images, params):
-  """The images transformed by their parameter rows, bilinearly, zero fill.
-
-  Args:
-    images: `[n, h, w, 1]` uint8.
-    params: `[n, 6]` from `draw`.
-  Returns: `[n, h, w, 1]` uint8.
-  """
+  """The uint8 images `[n, h, w, 1]` transformed by their `draw` rows,
+  bilinearly, zero fill."""
   import tensorflow as tf   # pylint: disable=import-outside-toplevel
   transforms = np.stack([projective_transform(p) for p in params]).astype(np.float32)
   with tf.Graph().as_default():
@@ -161,11 +143,8 @@ def make(images, ranges=AFFNIST, seed=SEED):
 
 
 def test_set(test_images, ranges=AFFNIST, seed=SEED):
-  """The affine copy of a test split; made from the MNIST test images with
-  affNIST's ranges and the seed, its md5 must be the recorded one (`MD5`).
-
-  Raises: AffineError naming both md5s if it is not.
-  """
+  """The affine copy of the MNIST test images (affNIST's ranges, the seed).
+  Raises AffineError naming both md5s if its md5 is not `MD5`."""
   images, _ = make(test_images, ranges, seed)
   expected = MD5.get(md5(test_images)) if (ranges, seed) == (AFFNIST, SEED) else None
   if expected is not None and md5(images) != expected:
@@ -176,11 +155,8 @@ def test_set(test_images, ranges=AFFNIST, seed=SEED):
 
 
 def parse_sweep(values):
-  """--affine_sweep's largest rotations (strings) as degrees (floats).
-
-  Raises: ValueError naming the flag for a value that is not a number in
-  [0, 180].
-  """
+  """--affine_sweep's largest rotations as degrees. Raises ValueError naming the
+  flag for a value not a number in [0, 180]."""
   try:
     degrees = [float(d) for d in values]
   except ValueError:

@@ -1,12 +1,9 @@
-"""MNIST / Fashion-MNIST: verified IDX files, download with md5, tf.data pipeline.
+"""MNIST / Fashion-MNIST: verified IDX files, download with md5, tf.data
+pipeline.
 
-Files live in `data/<dataset>/` (the cache folder, git-ignored). Present files
-are checked by size and md5 at every start (hashing the four MNIST files takes
-a few tens of milliseconds), so nothing is written beside them and a folder
-of correct files may be read-only. Their contents are checked too: image
-size, label range, matching counts. Missing files are fetched from public
-mirrors in order, written to a temporary file and renamed only after the md5
-matches, so a failed download never leaves a file behind.
+Files live in `data/<dataset>/` (git-ignored), checked by size, md5 and contents
+at every start, so a folder of correct files may be read-only. Missing files are
+fetched from the mirrors to a temporary file, renamed only once the md5 matches.
 """
 import collections
 import gzip
@@ -74,16 +71,9 @@ class DataError(ValueError):
 
 
 def read_idx(path, magic):
-  """Reads a gzipped IDX file of unsigned bytes.
-
-  Args:
-    path: the `.gz` file.
-    magic: IMAGE_MAGIC (returns `[n, rows, cols]`) or LABEL_MAGIC (`[n]`).
-  Returns: a uint8 numpy array.
-  Raises:
-    DataError: unreadable gzip, wrong magic number, or a byte count that does
-      not match the header; the message names the file.
-  """
+  """The uint8 array of a gzipped IDX file: `[n, rows, cols]` for IMAGE_MAGIC,
+  `[n]` for LABEL_MAGIC. Raises DataError naming the file for an unreadable
+  gzip, a wrong magic number or a size that does not fit the header."""
   try:
     with gzip.open(path, "rb") as f:
       raw = f.read()
@@ -127,11 +117,8 @@ def _check_present(path, md5, size):
 
 
 def download(url, path, md5, timeout=30.0):
-  """Fetches `url` to `path` via a temporary file, kept only if md5 matches.
-
-  Raises:
-    DataError: on a network error or an md5 mismatch; nothing is left behind.
-  """
+  """Fetches `url` to `path` via a temporary file, kept only if the md5 matches.
+  Raises DataError (nothing left behind) on failure."""
   folder = os.path.dirname(os.path.abspath(path))
   fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".part",
                              dir=folder)
@@ -154,19 +141,10 @@ def download(url, path, md5, timeout=30.0):
 
 def ensure_files(dataset, data_dir, download_missing=True, mirrors=None,
                  timeout=30.0):
-  """Makes sure the four files of `dataset` are in `data_dir` and verified.
-
-  Args:
-    dataset: a key of DATASETS.
-    data_dir: the folder holding (or to receive) the `.gz` files.
-    download_missing: fetch missing files from the mirrors.
-    mirrors: base URLs to try in order (default: the data set's own).
-  Returns: dict from "train_images" etc. to file paths.
-  Raises:
-    DataError: unknown data set, a corrupt file, or files that are missing
-      and could not be fetched (the message lists them and says how to
-      supply them).
-  """
+  """{"train_images": path, ...}: the four files of `dataset` in `data_dir`,
+  verified, missing ones fetched from `mirrors` (default: the data set's) unless
+  not `download_missing`. Raises DataError for an unknown data set, a corrupt
+  file, or files missing (the message says how to supply them)."""
   if dataset not in DATASETS:
     raise DataError(f"unknown dataset {dataset!r}, expected one of {sorted(DATASETS)}")
   spec = DATASETS[dataset]
@@ -211,13 +189,9 @@ def ensure_files(dataset, data_dir, download_missing=True, mirrors=None,
 
 
 def load(dataset, data_dir, val_size, download_missing=True, mirrors=None):
-  """Loads the splits: train (first 60000 - val_size), validation (last
-  val_size of the training file), test (the official test file).
-
-  Returns: dict split -> (images `[n, rows, cols, 1]` uint8, labels `[n]` int32).
-  Raises:
-    DataError: see `ensure_files` and `read_idx`; also a bad `val_size`.
-  """
+  """{split: (images `[n, rows, cols, 1]` uint8, labels `[n]` int32)}: train
+  (the first 60000 - val_size), validation (the training file's last val_size),
+  test. Raises DataError (`ensure_files`, `read_idx`, val_size)."""
   paths = ensure_files(dataset, data_dir, download_missing, mirrors)
   spec = DATASETS[dataset]
   arrays = {}
@@ -247,8 +221,7 @@ def load(dataset, data_dir, val_size, download_missing=True, mirrors=None):
 
 
 def pixels(images):
-  """uint8 pixels as float32 in [0, 1]: what the model reads (the one place
-  that scales them)."""
+  """uint8 pixels as float32 in [0, 1]: the one place that scales them."""
   return tf.cast(images, tf.float32) / 255.0
 
 
@@ -269,17 +242,10 @@ def shard_order(order, batch_size, index, count):
 
 
 def random_shift(images, seed, max_shift=AUGMENT_SHIFT, shard=(0, 1)):
-  """Shifts each image by its own random (dy, dx) in [-max_shift, max_shift],
-  filling with zeros: an exact translation.
-
-  Args:
-    images: `[batch, rows, cols, channels]`.
-    seed: int32/int64 `[2]` seed of the stateless generator.
-    shard: (index, count): the images are part `index` of a batch `count`
-      times as large, and get that part of its shifts (so that workers that
-      split a batch shift each image as one process would).
-  Returns: `(shifted images, shifts [batch, 2] int32)`.
-  """
+  """`(images shifted by their own random (dy, dx) in [-max_shift, max_shift],
+  zero-filled; shifts [batch, 2] int32)`, from the stateless `seed`. `shard`
+  (index, count): the images are part `index` of a batch `count` times as large
+  and get that part of its shifts."""
   rows, cols = images.shape[1], images.shape[2]
   index, count = shard
   batch = tf.shape(images)[0]
@@ -299,23 +265,10 @@ def random_shift(images, seed, max_shift=AUGMENT_SHIFT, shard=(0, 1)):
 
 def make_dataset(images, labels, batch_size, augment=False, seed=0,
                  drop_remainder=False, prefetch=2, first_batch=0, shard=(0, 1)):
-  """A batched tf.data pipeline over in-memory arrays (or tensors fed at
-  iterator initialisation) in the order given; the trainer passes each epoch's
-  permutation (`epoch_order`).
-
-  Args:
-    images: `[n, rows, cols, channels]` uint8.
-    labels: `[n]` int.
-    augment: random shifts of up to 2 pixels (training only).
-    seed: int or scalar int64 tensor; the augmentation of batch k uses the
-      stateless seed (seed, first_batch + k), so a run is reproducible and
-      resumable part-way through an epoch.
-    drop_remainder: False (evaluation) keeps the last partial batch.
-    shard: (index, count) for a worker whose batches are part `index` of
-      the `count` parts of one global batch (see `random_shift`).
-  Yields: `(images [batch, rows, cols, channels] float32 in [0, 1],
-    labels [batch] int32)`.
-  """
+  """Batches of `(images float32 in [0, 1], labels int32)` over arrays (or
+  tensors fed at initialisation) in the order given. With `augment` batch k is
+  shifted with the stateless seed (seed, first_batch + k), so a run is
+  reproducible and resumable mid-epoch; `shard` as for `random_shift`."""
   ds = tf.data.Dataset.from_tensor_slices((images, labels))
   ds = ds.batch(batch_size, drop_remainder=drop_remainder).enumerate()
 
@@ -330,10 +283,8 @@ def make_dataset(images, labels, batch_size, augment=False, seed=0,
 
 
 def dataset_options():
-  """No autotuning: re-initialising an iterator that has been idle for a
-  while (the eval iterator between validations, the training one between
-  epochs) then blocked for ~15 s in TF 2.21 (measured; fixed size pools do
-  not). Two map calls and a prefetch keep the model fed (capsnet.bench)."""
+  """No autotuning: re-initialising an iterator idle for a while blocked for ~15
+  s in TF 2.21; fixed pools do not."""
   options = tf.data.Options()
   options.autotune.enabled = False
   return options
@@ -358,19 +309,10 @@ Pipeline = collections.namedtuple("Pipeline", [   # every task's pipeline
 
 def fed_pipeline(image_shape, batch_size, augment=False, drop_remainder=False,
                  name="input", shard=(0, 1)):
-  """Placeholders for one split's arrays and the batches over them, on the CPU.
-
-  The arrays are fed when `iterator.initializer` runs, so one graph serves
-  every split and every epoch's order (`make_dataset`).
-
-  Args:
-    image_shape: `[rows, cols, channels]`.
-    augment: shift augmentation; adds the `seed` and `first_batch`
-      placeholders, to be fed with the arrays.
-    name: the name scope.
-    shard: see `make_dataset`.
-  Returns: a `Pipeline`.
-  """
+  """A `Pipeline` on the CPU: placeholders for one split's arrays, fed when
+  `iterator.initializer` runs (so one graph serves every split and epoch order),
+  and the batches over them (`make_dataset`; `augment` adds the `seed` and
+  `first_batch` placeholders)."""
   with tf.device("/cpu:0"), tf.name_scope(name):
     images = tf.compat.v1.placeholder(tf.uint8, [None, *image_shape], name="images")
     labels = tf.compat.v1.placeholder(tf.int32, [None], name="labels")

@@ -1,17 +1,12 @@
 """MultiMNIST (Sabour et al. 2017, Section 6): two overlapping digits of
-different classes in one 36x36 image, generated from the MNIST splits.
+different classes in one 36x36 image, made from the MNIST splits.
 
-A digit is paired with a digit of another class from the same split; each
-is placed at the centre of a 36x36 canvas and shifted by its own uniform
-integer (dy, dx) in [-max_shift, max_shift] (the paper: 4; the official
-generator's README: 6), and the two are merged with `min(a + b, 255)`. Both
-shifted digits are kept: they are the reconstruction targets.
-
-- Training pairs are drawn on the fly (`training_pairs`, tf.data, stateless:
-  the pairs of batch k of an epoch follow from (seed, k) alone), so nothing of
-  the paper's 60M-image set is written to disk.
-- Validation and test pairs are fixed by a seed (`fixed_pairs`): one pair per
-  digit of the split, that digit first, so every digit is a first digit once.
+Each digit is placed at the centre of the canvas, shifted by its own uniform
+(dy, dx) in [-max_shift, max_shift] (the paper: 4), and the two merged with
+`min(a + b, 255)`; the shifted digits are the reconstruction targets. Training
+pairs are drawn on the fly, stateless (batch k's from (seed, k)), so nothing of
+the paper's 60M images is written; validation and test pairs are fixed by a
+seed, one a digit, that digit first.
 """
 
 import numpy as np
@@ -24,14 +19,8 @@ PAIR_SHIFT = 4   # each digit of a pair shifted by up to 4 pixels (Section 6)
 
 
 def fixed_pairs(labels, seed, max_shift=PAIR_SHIFT, num_classes=10):
-  """One pair per digit of a split: (first, second, shifts).
-
-  Args:
-    labels: `[n]` int labels of the split.
-  Returns:
-    first: `[n]` = arange(n); second: `[n]` indices of a digit of another
-    class (uniform over them); shifts: `[n, 2, 2]` int (digit, (dy, dx)).
-  """
+  """One pair a digit of a split with `labels` `[n]`: (first = arange(n),
+  second: a digit of another class, shifts `[n, 2, 2]`)."""
   rng = np.random.RandomState(seed)
   labels = np.asarray(labels)
   first = np.arange(len(labels))
@@ -65,14 +54,9 @@ def merge(a, b):
 
 
 def compose(images, labels, first, second, shifts):
-  """The MultiMNIST images of given pairs (NumPy).
-
-  Args:
-    images: `[n, 28, 28, 1]` uint8; labels: `[n]`; first, second: `[m]`
-      indices; shifts: `[m, 2, 2]`.
-  Returns: (merged `[m, 36, 36, 1]` uint8, labels `[m, 2]` int32, targets
-    `[m, 2, 36, 36, 1]` uint8: the two shifted digits).
-  """
+  """The MultiMNIST images of given pairs (NumPy): (merged `[m, 36, 36, 1]`
+  uint8, labels `[m, 2]` int32, targets `[m, 2, 36, 36, 1]`: the shifted
+  digits)."""
   a = place(images[first, ..., 0], shifts[:, 0])
   b = place(images[second, ..., 0], shifts[:, 1])
   targets = np.stack([a, b], axis=1)[..., None]
@@ -81,16 +65,10 @@ def compose(images, labels, first, second, shifts):
 
 
 def training_pairs(images, labels, first, seed, max_shift=PAIR_SHIFT, num_classes=10):
-  """The pairs of one training batch, drawn in TensorFlow (stateless).
-
-  Args:
-    images: `[n, 28, 28, 1]` uint8 tensor (the whole training split);
-    labels: `[n]` int32 tensor, with every class present;
-    first: `[b]` int indices of the batch's first digits;
-    seed: int64 `[2]`: the same seed gives the same pairs and shifts.
-  Returns: (merged `[b, 36, 36, 1]` uint8, labels `[b, 2]` int32, targets
-    `[b, 2, 36, 36, 1]` uint8).
-  """
+  """The pairs of one training batch, drawn in TensorFlow from `seed`
+  (stateless) for the batch's `first` digits: (merged `[b, 36, 36, 1]` uint8,
+  labels `[b, 2]` int32, targets `[b, 2, 36, 36, 1]`); every class must be
+  present in `labels`."""
   b = tf.shape(first)[0]
   first_labels = tf.gather(labels, first)
   seeds = tf.random.experimental.stateless_split(tf.cast(seed, tf.int64), 3)
@@ -126,13 +104,9 @@ def _place_tf(digits, shifts, canvas=CANVAS):
 
 
 def top2_scores(lengths, labels):
-  """The paper's MultiMNIST metric on capsule lengths.
-
-  Args:
-    lengths: `[n, num_classes]`; labels: `[n, 2]` (two different classes).
-  Returns: (share of images whose two longest capsules are exactly their two
-    labels, share where at least one of the two longest is a label).
-  """
+  """The paper's MultiMNIST metric on capsule `lengths`: (share of images whose
+  two longest capsules are their two `labels`, share where at least one of them
+  is)."""
   top = np.argsort(-np.asarray(lengths), axis=1, kind="stable")[:, :2]
   hits = (top[:, :, None] == np.asarray(labels)[:, None, :]).any(axis=2).sum(axis=1)
   return float((hits == 2).mean()), float((hits >= 1).mean())
@@ -179,14 +153,9 @@ def train_pipeline(batch_size, max_shift=PAIR_SHIFT, name="train_input"):
 
 
 def load(mnist_splits, max_shift=PAIR_SHIFT, seeds=(1, 2)):
-  """MultiMNIST splits from the MNIST splits: training digits as they are
-  (paired on the fly), validation and test as fixed pairs, one per digit,
-  by the given seeds (the same for every run).
-
-  Returns: dict split -> arrays: "train" (digits [n, 28, 28, 1], labels [n]),
-    "validation" and "test" (images [n, 36, 36, 1], labels [n, 2], targets
-    [n, 2, 36, 36, 1]).
-  """
+  """MultiMNIST splits: "train" the MNIST digits (paired on the fly),
+  "validation" and "test" fixed pairs by the given seeds (images, labels `[n,
+  2]`, targets)."""
   out = {"train": mnist_splits["train"]}
   for split, seed in zip(("validation", "test"), seeds):
     images, labels = mnist_splits[split]

@@ -1,11 +1,8 @@
-"""A task per data set, chosen once from --dataset: its image size, its
-splits and pipelines, an epoch's order and feed, the gradient diagnostic's
-batch, the model's heads (`network.HEADS`), its metric (`score`), eval.py's
-pictures and the study's x axis (`progress`). No other module compares data
-set names. `Digits`: MNIST and Fashion-MNIST; `DigitPairs`: MultiMNIST
-(Section 6, docs/multimnist.md). The data modules (and TensorFlow) are
-imported only when a task first reads data.
-"""
+"""A task per data set, chosen once from --dataset: its image size, splits and
+pipelines, epoch order and feed, diagnostic batch, heads (`network.HEADS`),
+metric (`score`), eval.py's pictures and the study's x axis. No other module
+compares data set names. `Digits`: MNIST and Fashion-MNIST; `DigitPairs`:
+MultiMNIST (docs/multimnist.md)."""
 import importlib
 
 import numpy as np
@@ -19,9 +16,8 @@ class _Task:
   """What every task shares: the order of an epoch."""
 
   def epoch_order(self, n, seed, epoch, batch_size, shard):
-    """The order of the `n` training examples in epoch `epoch`, fixed by
-    (seed, epoch), and worker `shard` = (index, count)'s part of it: of each
-    step's `count * batch_size` examples, its `batch_size`."""
+    """The order of the `n` training examples in `epoch`, fixed by (seed,
+    epoch), and worker `shard` (index, count)'s part of it."""
     mnist = _module("mnist")
     return mnist.shard_order(mnist.epoch_order(n, seed, epoch), batch_size, *shard)
 
@@ -40,8 +36,8 @@ class Digits(_Task):
 
   def score(self, lengths, predictions, labels):
     """The metric of (capsule lengths, predictions) against `labels` [n]:
-    accuracy, error_percent, per_class_accuracy, confusion (rows = label,
-    columns = prediction)."""
+    accuracy, error_percent, per_class_accuracy, confusion (rows label, columns
+    prediction)."""
     num_classes = lengths.shape[-1]
     correct = predictions == labels
     confusion = np.zeros([num_classes, num_classes], np.int64)
@@ -78,12 +74,9 @@ class Digits(_Task):
     return images[:32], labels[:32], None
 
   def affine_split(self, splits, max_rotation_deg=None):
-    """(images, labels) of the affine test set (`affine`), made from the test
-    split; `max_rotation_deg`: another largest rotation, the other ranges
-    affNIST's (the severity sweep; not md5-checked). MNIST only.
-
-    Raises: ValueError for another data set.
-    """
+    """(images, labels) of the affine test set; `max_rotation_deg`: another
+    largest rotation (the sweep; not md5-checked). Raises ValueError for a data
+    set other than MNIST."""
     if not self.has_affine:
       raise ValueError(f"--split=affine: the affine test set is made from MNIST's test "
                        f"images, not from --dataset={self.name}'s")
