@@ -1,23 +1,16 @@
-"""Weight averaging (train.py --ema_decay): an exponential moving average of
-the model variables, updated after each step, and an evaluation graph that
-reads the averages."""
+"""Weight averaging (train.py --ema_decay)."""
 import tensorflow as tf
 
 from capsnet.running import evaluation
 
 
 def weight_averaging(cfg, ema_decay, eval_batch_size, state, train_op, device, task):
-  """An exponential moving average of the model variables, updated after
-  each step, and an evaluation graph that reads the averages.
+  """(The train op with an exponential moving average's update after it, an
+  `EvalGraph` on the averaged weights).
 
-  `tf.train.ExponentialMovingAverage` with `num_updates` = the global step,
-  so the decay is min(--ema_decay, (1 + step) / (10 + step)): the early
-  averages follow the weights. The shadow variables
-  (`<variable>/ExponentialMovingAverage`) are in every checkpoint; the raw
+  `num_updates` is the global step, so the decay is min(--ema_decay, (1 + step)
+  / (10 + step)); the shadow variables are in every checkpoint, and the raw
   weights' updates are the same ops as without them.
-
-  Returns: (the train op with the average's update after it, an `EvalGraph`
-    on the averaged weights).
   """
   ema = tf.compat.v1.train.ExponentialMovingAverage(ema_decay,
                                                     num_updates=state.global_step)

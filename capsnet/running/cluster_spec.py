@@ -1,10 +1,6 @@
-"""A cluster description for TensorFlow's distributed runtime: the ps and
-worker hosts and this process's task, from train.py's flags or TF_CONFIG,
-and the waits on the other tasks' ports.
-
-The launcher that tries a cluster on one machine is the program
-`python -m capsnet.cluster`; docs/cluster.md tells the whole story.
-"""
+"""A cluster description for TensorFlow's distributed runtime: the ps and worker
+hosts and this task, from train.py's flags or TF_CONFIG, and the waits on the
+other tasks' ports (docs/cluster.md)."""
 import collections
 import json
 import socket
@@ -37,10 +33,8 @@ def _check_hosts(name, hosts):
 
 
 def from_flags(ps_hosts, worker_hosts, job_name, task_index):
-  """The cluster of train.py's flags, or None for a single process.
-
-  Raises: ClusterError naming the flag.
-  """
+  """The cluster of train.py's flags, or None for one process. Raises
+  ClusterError naming the flag."""
   if not (ps_hosts or worker_hosts or job_name):
     return None
   if not ps_hosts or not worker_hosts:
@@ -58,10 +52,8 @@ def from_flags(ps_hosts, worker_hosts, job_name, task_index):
 
 
 def from_tf_config(text):
-  """The cluster of a TF_CONFIG value (JSON with "cluster" and "task").
-
-  Raises: ClusterError for what cannot be used.
-  """
+  """The cluster of a TF_CONFIG value. Raises ClusterError for what cannot be
+  used."""
   try:
     config = json.loads(text)
     cluster, task = config["cluster"], config["task"]
@@ -74,10 +66,8 @@ def from_tf_config(text):
 
 
 def wait_for(hosts, seconds, what):
-  """Waits until every host:port accepts a TCP connection.
-
-  Raises: ClusterError naming the first one still unreachable after `seconds`.
-  """
+  """Waits until every host:port accepts a TCP connection. Raises ClusterError
+  naming the first still unreachable after `seconds`."""
   deadline = time.time() + seconds
   for k, host in enumerate(hosts):
     address, _, port = host.rpartition(":")

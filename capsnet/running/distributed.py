@@ -1,9 +1,6 @@
-"""The TensorFlow side of between-graph replication for train.py: the ps
-tasks' serving, a worker's placement (`Placement`), sessions and the stop
-signals passed between tasks. docs/cluster.md says what each role does and
-how a run stops; capsnet/running/cluster_spec.py reads the cluster's
-description, capsnet/cluster.py launches one on this machine.
-"""
+"""The TensorFlow side of between-graph replication for train.py: the ps tasks'
+serving, a worker's placement, sessions and the stop signals passed between
+tasks. What each role does and how a run stops: docs/cluster.md."""
 import collections
 import contextlib
 import threading
@@ -38,9 +35,8 @@ def _bounded():
 
 
 class Halted(Exception):
-  """A worker other than the chief: the chief stopped the run (with its
-  checkpoint of `step`) on a stop signal `signum`, or (`signum` 0) ended it
-  on an error."""
+  """A worker other than the chief: the chief stopped the run with its
+  checkpoint of `step` on stop signal `signum` (0: on an error)."""
 
   def __init__(self, signum, step):
     super().__init__(signum, step)
@@ -48,18 +44,16 @@ class Halted(Exception):
 
 
 class Placement:
-  """Where a cluster's task builds and runs its graph: the variables on the
-  ps tasks, everything else on this worker, its shard of each epoch's data,
-  and with --sync one aggregated update per step (a single process has
-  `roles.LocalPlacement`, which places nothing)."""
+  """Where a cluster's task builds and runs its graph: variables on the ps
+  tasks, the rest on this worker, its shard of each epoch, and with --sync one
+  aggregated update a step (one process: `roles.LocalPlacement`)."""
 
   def __init__(self, info, sync):
     self.info, self.sync = info, sync
     self.shard = (info.index, cluster_spec.num_workers(info))   # (index, workers)
 
   def variable_device(self):
-    """A device function that puts variables on the ps tasks (round robin)
-    and everything else on this worker."""
+    """Variables on the ps tasks (round robin), the rest on this worker."""
     return tf.compat.v1.train.replica_device_setter(
         cluster=tf.train.ClusterSpec(self.info.spec),
         worker_device=f"/job:worker/task:{self.info.index}")
@@ -73,8 +67,8 @@ class Placement:
     return [f"/job:worker/task:{self.info.index}{d}" for d in devices]
 
   def optimizer(self, optimizer):
-    """SyncReplicasOptimizer aggregating one gradient per worker (--sync), or
-    the optimizer itself (asynchronous updates)."""
+    """SyncReplicasOptimizer aggregating one gradient a worker (--sync), or the
+    optimizer itself."""
     if not self.sync:
       return optimizer
     workers = self.shard[1]
@@ -97,8 +91,8 @@ def _done_queue(task):
 
 
 def coordination(info, optimizer):
-  """The ops the processes coordinate with (built after the model, so that
-  the model's initial weights are those of a single process)."""
+  """The ops the processes coordinate with (built after the model, so that its
+  initial weights are a single process's)."""
   ready = tf.compat.v1.report_uninitialized_variables(tf.compat.v1.global_variables())
   local_init = tf.compat.v1.local_variables_initializer()
   ready_for_local, chief_init, runner = None, local_init, None
@@ -116,7 +110,7 @@ def coordination(info, optimizer):
 
 def _stop_requests(info):
   """The queue of stop signals passed on to the chief: [task, signal number],
-  task the worker's index, or -1 - the index of a ps task."""
+  task a worker's index or -1 - a ps task's."""
   tasks = len(info.spec["worker"]) + len(info.spec["ps"])
   with tf.compat.v1.device("/job:ps/task:0"):
     return tf.queue.FIFOQueue(2 * tasks, tf.int32, shapes=[[2]],
@@ -140,23 +134,18 @@ def _stop_ops(info, optimizer):
 
 
 def _pass_on_once(sess, pass_on, request, task, stop):
-  """Passes the stop signal this task had (`stop`, a relaying StopRequest)
-  on to the chief, once (`task` as in `_stop_requests`)."""
+  """Passes this task's stop signal on to the chief, once."""
   if stop.signum and not stop.relayed:
     sess.run(pass_on, {request: [task, stop.signum]})
     stop.relayed = True
 
 
 def follow_the_chief(sess, coord, index, stop):
-  """A worker other than the chief (task `index`), after each step: passes
-  a stop signal on to the chief, once.
-
-  The halt queue is read in a run of its own after the step, not fetched
-  with it: a fetch could read it before the chief puts the word there, and
-  the next step would then wait for a token that never comes.
-
-  Raises: Halted once the chief has stopped the run.
-  """
+  """A worker other than the chief, after each step: passes a stop signal on,
+  once; raises Halted once the chief has stopped the run. The halt queue is read
+  in a run of its own: fetched with the step, it could be read before the
+  chief's word arrives, and the next step would wait for a token that never
+  comes."""
   _pass_on_once(sess, coord.stop.pass_on, coord.stop.request, index, stop)
   if sess.run(coord.stop.halts):
     signum, step = sess.run(coord.stop.take_halt)
@@ -164,20 +153,18 @@ def follow_the_chief(sess, coord, index, stop):
 
 
 def hear_passed_on_stops(sess, coord, waiting, stop):
-  """The chief, after each step (`waiting`: the size of the queue of stops
-  passed on, fetched with the step): a stop signal another task passed on
-  stops the run as if it had come here."""
+  """The chief, after each step (`waiting`: the stops passed on, fetched with
+  the step): such a stop stops the run as if it had come here."""
   if waiting:
     task, signum = sess.run(coord.stop.next_request)
     stop.passed_on(int(signum), f"worker {task}" if task >= 0 else f"ps {-1 - task}")
 
 
 def halt_workers(sess, coord, info, signum, step, wait_secs=30):
-  """The chief, stopping before the end: tells every other worker to end,
-  releases those waiting for the next synchronous update (which is never
-  applied: the checkpoint is saved already), and waits until each has taken
-  its word, so that none meets the ps tasks gone; not longer than
-  `wait_secs`, nor once no other worker answers."""
+  """The chief, stopping early: tells every other worker to end, releases those
+  waiting on a synchronous update (never applied: the checkpoint is saved), and
+  waits up to `wait_secs` until each has taken its word, so none meets the ps
+  tasks gone."""
   others = info.spec["worker"][1:]
   sess.run(coord.stop.halt_others, {coord.stop.halt: [signum, step]}, options=_bounded())
   if coord.stop.release is not None:
@@ -189,8 +176,8 @@ def halt_workers(sess, coord, info, signum, step, wait_secs=30):
 
 
 def end_the_others(sess, coord, info, step):
-  """The chief, ending on an error: the other workers (halt word 0) and the
-  ps tasks end too, as far as they can still be reached."""
+  """The chief, ending on an error: the other workers and the ps tasks end too,
+  as far as they can be reached."""
   try:
     halt_workers(sess, coord, info, 0, step, wait_secs=10)
   except tf.errors.OpError:
@@ -199,11 +186,9 @@ def end_the_others(sess, coord, info, step):
 
 
 class Watch:
-  """A synchronous worker's eye on the other workers. An update waits for
-  every worker, so one that died without a word (SIGKILL, a crash, a lost
-  machine) would leave the others waiting for ever. A worker whose port has
-  not answered for `grace_secs` is taken as lost: `lost` names it, and the
-  steps waiting for it are released (they end without being applied)."""
+  """A synchronous worker's eye on the others: one whose port has not answered
+  for `grace_secs` is taken as lost (`lost` names it) and the steps waiting for
+  it are released, unapplied, instead of waiting for ever."""
 
   def __init__(self, sess, coord, info, interval_secs=1.0, grace_secs=10.0):
     self.lost = None
@@ -235,9 +220,7 @@ class Watch:
 
 @contextlib.contextmanager
 def watching(sess, coord, info, grace_secs):
-  """A `Watch` over the other workers while inside (None where no update
-  waits for another worker: one process, or asynchronous updates, which
-  build no `release`)."""
+  """A `Watch` while inside (None where no update waits for another worker)."""
   if coord is None or coord.stop.release is None:
     yield None
     return
@@ -254,12 +237,8 @@ def start_server(info):
 
 
 def open_session(info, server, graph, proto, coord, wait_secs):
-  """A session on this worker's server. The chief's is plain (it then
-  initialises or restores); another worker's waits until the chief has
-  made the model ready.
-
-  Raises: cluster_spec.ClusterError if that takes over `wait_secs`.
-  """
+  """A session on this worker's server: the chief's plain, the others' once the
+  chief has made the model ready. Raises ClusterError after `wait_secs`."""
   if cluster_spec.is_chief(info):
     return tf.compat.v1.Session(server.target, graph=graph, config=proto)
   manager = tf.compat.v1.train.SessionManager(
@@ -274,13 +253,12 @@ def open_session(info, server, graph, proto, coord, wait_secs):
 
 
 def start_chief(sess, coord):
-  """After the chief's init or restore: its local init and the queue runner
-  that aggregates the workers' gradients. Returns what `stop_chief` ends.
+  """The chief's local init and the queue runner that aggregates the workers'
+  gradients; returns what `stop_chief` ends.
 
-  No tokens are put in the queue at the start (TensorFlow's examples put one
-  per worker): then a worker's step returns only once the update it took
-  part in is applied, with one gradient from each worker, and every worker
-  is at the same step, as in one process with the whole batch.
+  No tokens are put in the queue at the start (TensorFlow's examples put one a
+  worker): a worker's step then returns only once its update is applied, and
+  every worker is at the same step, as one process with the whole batch.
   """
   sess.run(coord.chief_init_op)
   if coord.chief_queue_runner is None:
@@ -292,13 +270,9 @@ def start_chief(sess, coord):
 
 
 def wait_for_global_step(sess, global_step, step, watch=None, seconds=60):
-  """Synchronous updates: a worker's step returns before the update it
-  contributed to is applied; waits until `global_step` reaches `step`.
-
-  Returns: None, or what the `watch` names as lost (a worker that stopped
-  answering: the update waits for it in vain).
-  Raises: cluster_spec.ClusterError after `seconds` without either.
-  """
+  """Waits until `global_step` reaches `step` (a synchronous worker's step
+  returns before its update is applied). Returns None, or the worker `watch`
+  names as lost. Raises ClusterError after `seconds`."""
   deadline = time.time() + seconds
   while sess.run(global_step) < step:
     if watch is not None and watch.lost:
@@ -311,8 +285,7 @@ def wait_for_global_step(sess, global_step, step, watch=None, seconds=60):
 
 
 def stop_chief(sess, coord, runner):
-  """Tells every ps task the job is done, then stops the queue runner
-  (closing the session cancels what its thread waits for)."""
+  """Tells every ps task the job is done, then stops the queue runner."""
   try:
     sess.run(coord.done_signal, options=_bounded())
   except tf.errors.OpError:
@@ -322,8 +295,8 @@ def stop_chief(sess, coord, runner):
 
 
 def join_chief(runner):
-  """Waits for the queue runner's thread. An error of its (a task gone) is
-  not raised again: the chief's own step met the same and says so."""
+  """Waits for the queue runner's thread (an error of its is the chief's own
+  step's too and is not raised again)."""
   if runner is not None:
     try:
       runner[0].join(runner[1], stop_grace_period_secs=5, ignore_live_threads=True)
@@ -332,16 +305,11 @@ def join_chief(runner):
 
 
 def serve_ps(info, idle_check_secs=30):
-  """A ps task: serves until the chief says the job is done, or until no
-  worker answers at two checks `idle_check_secs` apart. A stop signal is
-  passed on to the chief, which saves and then ends the job.
-
-  It looks at its "done" queue once a second, without waiting in a dequeue
-  (a dequeue cut off by a timeout can lose what it took), and the signal
-  handler runs between looks.
-
-  Returns: (why it ended, the number of the stop signal it had or None).
-  """
+  """A ps task: serves until the chief says the job is done, or no worker
+  answers at two checks `idle_check_secs` apart; a stop signal is passed on to
+  the chief. It looks at its "done" queue once a second rather than blocking in
+  a dequeue (one cut off by a timeout can lose what it took). Returns (why it
+  ended, its stop signal's number or None)."""
   server = start_server(info)
   with tf.Graph().as_default() as graph:
     done = _done_queue(info.index)

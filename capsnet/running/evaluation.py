@@ -1,8 +1,6 @@
-"""Evaluation graph and loop shared by train.py (validation, final test) and eval.py.
-
-The eval pipeline is an initializable iterator over placeholders, so one graph
-scores any split; it keeps the last partial batch, so every example counts once.
-"""
+"""Evaluation graph and loop shared by train.py and eval.py: an initializable
+iterator over placeholders scores any split, each example once (the last partial
+batch kept)."""
 import collections
 
 import numpy as np
@@ -17,17 +15,10 @@ EvalGraph = collections.namedtuple(
 
 
 def build(cfg, batch_size, device=None, task=None, routing_stats=False):
-  """Eval pipeline on the CPU and `network.forward(training=False)` on `device`.
-
-  Args:
-    task: the data set's `tasks` task (default: MNIST's); MultiMNIST's has
-      `[n, 2]` labels and the two targets.
-    routing_stats: also build `routing_movement` of the couplings (eval.py);
-      off in train.py, whose graph stays as it was.
-  Returns: an `EvalGraph`; `images`/`labels` (and `targets`, or None) are the
-  placeholders to feed at `iterator.initializer`, `batch_images` the current
-  batch's images, `routing` the per-example routing figures or None.
-  """
+  """An `EvalGraph`: the eval pipeline of `task` (default MNIST's) on the CPU,
+  placeholders fed at `iterator.initializer`, and
+  `network.forward(training=False)` on `device`; `routing_stats` (eval.py) adds
+  the per-example `routing_movement`."""
   task = task or tasks.get(tasks.DEFAULT)
   pipe = task.eval_pipeline([cfg.image_size, cfg.image_size, cfg.image_channels],
                             batch_size)
@@ -42,32 +33,18 @@ def build(cfg, batch_size, device=None, task=None, routing_stats=False):
 
 
 def routing_movement(couplings):
-  """`network.routing_movement` of every routing iteration, in float64 (exact
-  means over 10,000 images).
-
-  Args:
-    couplings: one `[batch, in_caps, out_caps]` tensor per routing
-      iteration, the first first (the first is uniform: softmax of zeros).
-  Returns: dict of `[batch, iterations]` tensors, "entropy" and "max_c".
-  """
+  """{"entropy", "max_c": `[batch, iterations]`}: `network.routing_movement` of
+  each iteration's couplings, in float64."""
   moved = [network.routing_movement(tf.cast(c, tf.float64)) for c in couplings]
   return {"entropy": tf.stack([e for e, _ in moved], axis=1),
           "max_c": tf.stack([m for _, m in moved], axis=1)}
 
 
 def run(sess, graph, images, labels, targets=None):
-  """Scores every example of (images, labels) once.
-
-  Returns: dict with count, accuracy, error_percent, loss, margin_loss_mean,
-    recon_loss_mean (means over examples), per_class_accuracy, confusion
-    (rows = label, columns = prediction), and the per-example predictions,
-    lengths, margin_loss and recon_loss. A graph built with routing_stats
-    adds routing_entropy and routing_max_c: per iteration, the means over
-    examples of `routing_movement`. The metric is the task's (`score`):
-    for MultiMNIST accuracy is the share whose two longest capsules are
-    exactly the labels, at_least_one the share with one of them right, and
-    no per-class figures.
-  """
+  """Scores every example of the split once: count, accuracy, error_percent,
+  loss, margin_loss_mean, recon_loss_mean, the task's per-class figures and
+  confusion, the per-example predictions, lengths and losses, and with
+  routing_stats routing_entropy and routing_max_c per iteration."""
   out = graph.outputs
   fetch = {"predictions": out.predictions, "lengths": out.lengths,
            "margin_loss": out.margin_loss, "recon_loss": out.recon_loss}

@@ -1,12 +1,6 @@
-"""The machine a program runs on: the facts a measurement depends on.
-
-A training step's speed, and which convolution method or precision wins,
-depend on the CPU (model and instruction sets) and on the TensorFlow build;
-`describe` reads them without importing TensorFlow, so that capsnet.study
-can record them beside each run (host.json) and the convolution planner can
-key its cache by them. `others_busy` tells a timing whether other programs
-were using the machine.
-"""
+"""The machine a program runs on: the CPU and TensorFlow build a measurement
+depends on (`describe`, without importing TensorFlow: host.json, the planner's
+cache key), and whether other programs were busy (`others_busy`)."""
 import functools
 import importlib.metadata
 import os
@@ -19,9 +13,8 @@ KERNEL_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni",
 
 
 def _cpuinfo(path="/proc/cpuinfo"):
-  """(model name, set of flags, "<vendor> family F model M" or None) of the
-  first CPU in /proc/cpuinfo; the platform's processor name, no flags and
-  None where there is no such file."""
+  """(model name, flags, "<vendor> family F model M" or None) of the first CPU
+  in /proc/cpuinfo (without it: the platform's name, no flags)."""
   model, found = platform.processor() or platform.machine(), set()
   ident = {}
   if os.path.exists(path):
@@ -50,11 +43,8 @@ def _version(package):
 
 @functools.lru_cache(maxsize=None)
 def describe():
-  """{"cpu": model name, "cpu_id": "<vendor> family F model M" (None where
-  /proc/cpuinfo does not say), "cores": logical CPUs, "flags": the KERNEL_FLAGS the
-  CPU has, "tensorflow": the installed version, "onednn": TF_ENABLE_ONEDNN_OPTS
-  as the project's programs import TensorFlow with it (`startup`: the user's
-  value, else "1")}."""
+  """{"cpu", "cpu_id" ("<vendor> family F model M" or None), "cores", "flags"
+  (the KERNEL_FLAGS it has), "tensorflow", "onednn" (as `startup` sets it)}."""
   model, found, cpu_id = _cpuinfo()
   return {"cpu": model, "cpu_id": cpu_id, "cores": os.cpu_count(),
           "flags": [f for f in KERNEL_FLAGS if f in found],
@@ -86,9 +76,8 @@ BUSY_CORES = 0.3
 
 def others_busy(seconds=0.5):
   """How many cores other programs kept busy over the next `seconds` (this
-  process's own use taken out; it should sleep meanwhile), from /proc/stat;
-  None where there is none; 0 with CAPSNET_ASSUME_IDLE=1 (the test suite,
-  whose workers share the machine on purpose)."""
+  process sleeping), from /proc/stat; None without it; 0 with
+  CAPSNET_ASSUME_IDLE=1 (the test suite)."""
   if os.environ.get("CAPSNET_ASSUME_IDLE") == "1":
     return 0.0
   start, own = _cpu_ticks(), _own_ticks()

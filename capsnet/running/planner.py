@@ -1,10 +1,8 @@
-"""A plan per host: each convolution's fastest method of `fast_conv`,
-timed on the layer's real shapes, dtype and batch (forward and the
-gradients, or the forward alone for inference), as FFTW's planner and
-cuDNN's benchmark mode do, and cached (`cache_path`) under a key of the CPU,
-TensorFlow, oneDNN, the shapes, dtype, batch and mode (docs/performance.md).
-A cache that cannot be read or written is said in one line and planned
-afresh or not kept; on a GPU nothing is planned.
+"""A plan per host: each convolution's fastest `fast_conv` method, timed on the
+layer's real shapes, dtype and batch (forward and gradients, or the forward
+alone for inference), as FFTW's planner and cuDNN's benchmark mode do, and
+cached (`cache_path`) under a key of the CPU, TensorFlow, oneDNN, shapes, dtype,
+batch and mode (docs/performance.md). On a GPU nothing is planned.
 
   python -m capsnet.running.planner --precision=bf16   # plan, print, cache
 """
@@ -83,23 +81,14 @@ def cache_key(conv, dtype, training):
 
 def time_methods(conv, methods, dtype, training, repeats=REPEATS, warmup=WARMUP,
                  give_up=None):
-  """Median seconds of one run of each of `methods` on `conv`: the forward
-  pass and, for training, the weights' and bias's gradients (and the
-  input's where the layer needs it), all in one graph on the CPU over the
-  same input and weights.
+  """{method: median seconds of one run on `conv`}: the forward and, for
+  training, the gradients, all in one graph over the same input and weights
+  (variables, so that grappler folds nothing away).
 
-  Every method is warmed up first; then the timed runs alternate between
-  the methods (one run of each in turn, `repeats` turns), so that a slow
-  moment of the machine falls on all of them alike. A method whose first
-  timed run is over 1.5 times the best first run is not run again (it
-  cannot win); with `give_up`, one whose first warmup run (kernel building
-  included) is over `give_up` times the best warmup so far is not timed at
-  all, and its warmup time stands for it.
-
-  The input and weights are variables, not constants, so that grappler
-  folds nothing away that training would compute; they are drawn in the
-  graph, so that the graph stays small (quick to build) whatever the batch.
-  Returns: {method: seconds}.
+  Every method is warmed up, then the timed runs alternate between the methods
+  so that a slow moment falls on all alike. A method whose first timed run is
+  over 1.5 times the best is not run again; with `give_up`, one whose first
+  warmup is over `give_up` times the best so far is not timed at all.
   """
   import tensorflow as tf   # pylint: disable=import-outside-toplevel
   dt = tf.as_dtype(dtype)
@@ -187,18 +176,10 @@ def _say(line):
 
 def plan_convolutions(cfg, batch, training, device=None, path=None, log=_say,
                       timer=time_methods):
-  """The fastest method of each convolution, from the cache or measured.
-
-  Args:
-    cfg: the `ModelConfig` (its shapes, precision and dtype).
-    batch: the batch one tower computes.
-    training: time forward and gradients (else the forward alone).
-    device: the model's device; on a GPU every convolution is conv2d.
-    path: the cache file (default `cache_path()`); timer: how the candidates
-      are timed, `time_methods`' signature (tests give their own).
-  Returns: (plan string for `ModelConfig.conv_plan`, {layer: {"method",
-    "ms": {method: ms}, "cached": bool}}).
-  """
+  """(The plan string for `ModelConfig.conv_plan`, {layer: {"method", "ms":
+  {method: ms}, "cached"}}): each convolution's fastest method at `batch` (one
+  tower's), with gradients if `training`, from the cache at `path` or timed by
+  `timer` (`time_methods`'); on a GPU every one conv2d."""
   if fast_conv.on_gpu(device):
     methods = dict.fromkeys(fast_conv.LAYERS, "conv2d")
     return fast_conv.format_plan(methods), {
@@ -245,21 +226,14 @@ def planned_seconds(report):
 
 def plan_model(cfg, batch, device=None, recorded=None, replan=False,
                precision_auto=False, log=_say, path=None, timer=time_methods):
-  """The `ModelConfig` a program trains: with its measured `conv_plan` and,
-  for `precision_auto`, the faster precision.
+  """(The `ModelConfig` a program trains, a line describing the plan or None):
+  `cfg` with its measured `conv_plan` and, with `precision_auto`, the precision
+  whose convolutions plan faster (else under bf16 a line says if fp32 plans
+  faster).
 
-  Nothing is planned (`cfg` returned as it is) for a forced method
-  (`conv_impl` other than "auto") or a given `conv_plan`, in float64 (the
-  exactness mode: the rule's methods), or for a resumed run that recorded a
-  plan or none (`recorded`: its config.json "model"; the same computation
-  continues bit for bit) unless `replan`.
-
-  Args:
-    batch: the batch one tower computes.
-    precision_auto: choose fp32 or bf16 by the planned convolutions' time
-      (95% of the step's FLOPs); else under bf16 say in one line if fp32
-      plans faster (the run still takes bf16: it was asked for).
-  Returns: (cfg, a line that describes the plan, or None).
+  Nothing is planned for a forced method or a given `conv_plan`, in float64, or
+  for a resumed run whose config.json (`recorded`) has its plan or none (it
+  continues bit for bit), unless `replan`.
   """
   if cfg.conv_plan or cfg.conv_impl != "auto" or cfg.dtype == "float64":
     return cfg, None
@@ -288,16 +262,10 @@ def plan_model(cfg, batch, device=None, recorded=None, replan=False,
 
 
 def plan_inference(cfg, batch, device=None, log=_say, path=None, timer=time_methods):
-  """The `ModelConfig` to score with (eval.py --conv_impl=auto): the
-  convolutions planned for the forward pass alone at this batch.
-
-  A trained run's recorded `conv_plan` was timed with the gradients; the
-  forward alone has its own fastest methods (the same function computed
-  another way, so equal up to rounding: the weights do not depend on it).
-  Nothing is planned for a forced method (`conv_impl` other than "auto") or
-  in float64, as in `plan_model`.
-  Returns: (cfg, a line that describes the plan, or None).
-  """
+  """(The `ModelConfig` to score with, a line or None): the convolutions planned
+  for the forward alone at this batch (a run's recorded plan was timed with the
+  gradients; any method gives the same function up to rounding). Nothing is
+  planned where `plan_model` plans nothing."""
   if cfg.conv_impl != "auto" or cfg.dtype == "float64":
     return cfg, None
   plan, report = plan_convolutions(dataclasses.replace(cfg, conv_plan=""), batch, False,

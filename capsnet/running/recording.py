@@ -1,10 +1,7 @@
-"""What train.py's process that writes records, at the steps and epoch ends
-its loop names: config.json and the events file (`start_writing`), the
-gradient diagnostic's rows, the epoch's metrics row with its validation,
-and the checkpoints: latest/, best/ by the best-checkpoint rule
-(`run_state.is_better`), epochs/ (--keep_epochs); at the end, the best
-checkpoint's test results (`final_test`). Each takes the loop's `Run`.
-"""
+"""What train.py's writing process records at the steps and epoch ends its loop
+names: config.json and events, the diagnostic's rows, each epoch's metrics and
+validation, the checkpoints (latest/, best/, epochs/) and at the end the best
+checkpoint's test results. Each takes the loop's `Run`."""
 import collections
 
 import numpy as np
@@ -37,9 +34,9 @@ def start_writing(g, s, cfg, pos, resumed):
 
 
 def end_epoch(run, pos, wall, images, writes):
-  """Closes a completed epoch: its metrics row, validation and checkpoints
-  (where the process `writes`). train_loss and train_accuracy are means over
-  all the epoch's steps, across resumes (images/s and wall_s: this attempt's)."""
+  """Closes a completed epoch: its metrics row (train_loss and train_accuracy
+  over all its steps, across resumes), validation and checkpoints, where the
+  process `writes`."""
   n = pos.summed_steps
   row = {"epoch": pos.epoch + 1, "step": pos.step, "wall_s": round(wall, 1),
          "images_per_sec": round(images / wall, 1),
@@ -54,11 +51,9 @@ def end_epoch(run, pos, wall, images, writes):
 
 
 def save(run, which, pos):
-  """A checkpoint of `pos` into latest/, best/ or epochs/; a second Ctrl-C waits.
-
-  Raises: TrainingError if it cannot be written (e.g. a full disk); the
-  checkpoints listed before stay listed and whole.
-  """
+  """A checkpoint of `pos` into latest/, best/ or epochs/ (a second Ctrl-C
+  waits). Raises TrainingError if it cannot be written; the checkpoints listed
+  before stay listed and whole."""
   folder = run.folder.checkpoint_folder(which)
   run.before_save(run.sess, run.g.state.global_step, pos.step, run.folder)
   try:
@@ -72,21 +67,18 @@ def save(run, which, pos):
 
 
 def keep_epoch(run, pos):
-  """At the end of an epoch --keep_epochs names, its weights into epochs/
-  (once: a run resumed from a checkpoint of that step that stopped before
-  epochs/ was written writes it then)."""
+  """An epoch --keep_epochs names: its weights into epochs/ (once; also when a
+  resumed run finds them missing)."""
   if (pos.examples == 0 and pos.epoch in run.s.keep_epochs
       and not any(runs.step_of(p) == pos.step for p in run.folder.checkpoints("epochs"))):
     save(run, "epochs", pos)
 
 
 def validate(run, pos, row, kind):
-  """Scores the validation split into `row` (with weight averaging, also the
-  averaged weights: the `*_averaged` keys), appends it to metrics.jsonl and
-  saves the best checkpoint (without a validation split: the newest). Best:
-  the higher validation accuracy; a tie goes to the lower validation loss,
-  then to the later step (`run_state.is_better`); raw and averaged weights
-  tied: the raw."""
+  """Scores the validation split into `row` (with weight averaging the averaged
+  weights too, `*_averaged`), appends it to metrics.jsonl and saves the best
+  checkpoint by `run_state.is_better` (raw and averaged tied: raw; without a
+  validation split: the newest)."""
   split = run.splits["validation"]
   if len(split[1]):
     graphs = {"": run.g.eval}

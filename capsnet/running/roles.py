@@ -1,9 +1,8 @@
-"""What one train.py process is in its run, chosen once by `choose`: the
-run's only process (`OneProcess`), or a cluster's chief (`Chief`) or other
-worker (`Worker`); a ps task serves the variables (`serve`). Every role runs
-train.py's one loop on the same graph; what differs is its `placement` and
-three hooks, `session`, `run_step` and `before_save` (docs/cluster.md).
-"""
+"""What one train.py process is in its run, chosen once by `choose`: the only
+process (`OneProcess`), a cluster's chief (`Chief`) or other worker (`Worker`);
+a ps task serves the variables (`serve`). Every role runs the one loop; what
+differs is its `placement` and three hooks, `session`, `run_step` and
+`before_save` (docs/cluster.md)."""
 import contextlib
 import signal
 import sys
@@ -18,9 +17,8 @@ from capsnet.running import stopping
 
 
 def choose(info, sync=True, wait_secs=60):
-  """The role of this process: `info` is the cluster (cluster_spec.ClusterInfo)
-  or None for one process; `sync`: synchronous updates; `wait_secs`: how long
-  a task waits for another (--cluster_wait_secs)."""
+  """The role of this process: `info` the cluster (cluster_spec.ClusterInfo) or
+  None; `sync` synchronous updates; `wait_secs` --cluster_wait_secs."""
   if info is None:
     return OneProcess()
   return (Chief if cluster_spec.is_chief(info) else Worker)(info, sync, wait_secs)
@@ -35,9 +33,8 @@ def serve(info):
 
 
 class LocalPlacement:
-  """Where the run's only process builds and runs its graph: as built, on its
-  own devices, with all of each epoch's data (a cluster's task has
-  `distributed.Placement`)."""
+  """Where the only process builds and runs its graph: as built, with all of
+  each epoch's data (a cluster: `distributed.Placement`)."""
   shard = (0, 1)   # (this worker's index, workers): the whole epoch
 
   def scope(self):
@@ -68,10 +65,9 @@ class OneProcess:
 
   @contextlib.contextmanager
   def session(self, g, proto, folder):
-    """The run's session, with the stop signals caught, the run restored from
-    `folder` (a RunFolder) or initialised: yields (sess, run_state.Position,
-    resumed, the loop's stopping.StopRequest). The way out ends the run with
-    its other processes."""
+    """Yields (sess, Position, resumed, StopRequest): the session with stop
+    signals caught, the run restored from `folder` or initialised; the way out
+    ends the run's other processes."""
     stop = stopping.StopRequest(relay=self.relays_stops)
     with stop.installed(), self._session(g, proto, folder, stop) as (sess, pos, resumed):
       yield sess, pos, resumed, stop
@@ -83,9 +79,9 @@ class OneProcess:
       yield (sess, *run_state.restore_or_init(sess, g.state, g.init, folder))
 
   def run_step(self, sess, fetch, step, folder, stop):
-    """The session run of training step `step`: its fetches (`fetch` and the
-    role's own). Raises tf.errors.OutOfRangeError at the epoch's end, a
-    ClusterError when another process of the run is gone."""
+    """Runs training step `step` with `fetch` and the role's own fetches. Raises
+    OutOfRangeError at the epoch's end, ClusterError when another process of the
+    run is gone."""
     del step, folder, stop
     return sess.run(fetch)
 
@@ -138,9 +134,9 @@ class _Task(OneProcess):
 
 
 class Chief(_Task):
-  """Worker 0: trains, and restores, validates, saves and writes as one
-  process does; starts the synchronous queue runner; hears the stops other
-  tasks pass on; ends the others at the end, on a stop or on an error."""
+  """Worker 0: trains, restores, validates, saves and writes as one process
+  does, runs the synchronous queue, hears passed-on stops, and ends the others
+  at the end, on a stop or on an error."""
 
   @contextlib.contextmanager
   def _session(self, g, proto, folder, stop):
@@ -175,9 +171,8 @@ class Chief(_Task):
 
 
 class Worker(_Task):
-  """A worker other than the chief: trains its shard and nothing else;
-  passes a stop signal on to the chief and ends when the chief stops or
-  ends the run."""
+  """A worker other than the chief: trains its shard, passes a stop signal on,
+  ends when the chief stops or ends the run."""
   writes = False
   relays_stops = True
 

@@ -1,11 +1,7 @@
-"""Where a training run is, kept in variables so that every checkpoint holds
-it: the global step, the completed epochs, the position in the current
-epoch's data order, the best validation accuracy and its validation loss
-(the tie rule, `is_better`; with weight averaging, whose weights won it),
-and the running sums of the epoch's loss
-and accuracy. Restoring a checkpoint restores the position; train.py resumes
-from it exactly.
-"""
+"""Where a training run is, kept in variables so that every checkpoint holds it:
+the global step, completed epochs, position in the epoch's order, the best
+validation accuracy and loss (`is_better`; with weight averaging, whose weights
+won) and the epoch's running sums. train.py resumes from it exactly."""
 import dataclasses
 import os
 
@@ -37,11 +33,10 @@ class Position:
 
 
 def is_better(accuracy, loss, best_accuracy, best_loss, tie_wins=True):
-  """The best-checkpoint rule: a higher validation accuracy wins; among
-  equal accuracies the lower validation loss; among equal losses too, the
-  later (this) one, unless `tie_wins` is False. Compared as the checkpoint
-  keeps them (float32), so that a resumed run decides as an uninterrupted
-  one does."""
+  """The best-checkpoint rule: a higher validation accuracy wins, then the lower
+  validation loss, then the later (this) one unless not `tie_wins`; compared in
+  float32, as the checkpoint keeps them, so a resumed run decides as an
+  uninterrupted one."""
   accuracy, loss = np.float32(accuracy), np.float32(loss)
   best_accuracy, best_loss = np.float32(best_accuracy), np.float32(best_loss)
   if accuracy != best_accuracy:
@@ -50,14 +45,10 @@ def is_better(accuracy, loss, best_accuracy, best_loss, tie_wins=True):
 
 
 class RunState:
-  """A `Position` kept in variables, so that every checkpoint holds it.
-
-  The epoch sums and the best validation loss were added later: their
-  variables are created after the model's (`add_epoch_sums`), so that the
-  model's initial weights did not move (op seeds follow the graph's op
-  count), and a checkpoint without them restores with them at their
-  defaults (`optional`; a best validation loss of +inf).
-  """
+  """A `Position` kept in variables. The epoch sums and best loss came later:
+  made after the model's variables (`add_epoch_sums`, so its initial weights did
+  not move), and restored at their defaults from a checkpoint without them
+  (`optional`)."""
 
   def __init__(self):
     self.global_step = tf.compat.v1.train.get_or_create_global_step()
@@ -100,10 +91,9 @@ class RunState:
     self._feeds["best_averaged"] = feed
 
   def add_savers(self):
-    """The checkpoints' savers, built once the graph holds every variable:
-    latest/ keeps two, best/ one, epochs/ every one (--keep_epochs), and one
-    without the `optional` state (to restore a checkpoint written before it
-    existed)."""
+    """The savers, once the graph holds every variable: latest/ keeps two, best/
+    one, epochs/ all, and one without the `optional` state (for checkpoints
+    written before it)."""
     self.savers = {
         "latest": tf.compat.v1.train.Saver(max_to_keep=2, save_relative_paths=True),
         "best": tf.compat.v1.train.Saver(max_to_keep=1, save_relative_paths=True),
@@ -138,20 +128,14 @@ class RunState:
 
 
 def restore_or_init(sess, state, init, folder):
-  """Restores the newest intact checkpoint of latest/ (or best/, epochs/), or, in a
-  logdir without checkpoints, initialises the variables.
+  """(The run's `Position`, whether a checkpoint was restored): the newest
+  intact checkpoint of latest/ (or best/, epochs/) of `folder` restored by
+  `state`'s savers, or `init` run in a logdir without any.
 
-  A damaged checkpoint (missing or truncated file, bad checksum) is passed
-  over, saying so; its files stay, and its folder's `checkpoint` index is
-  rewritten to list the intact ones only. Rows of metrics.jsonl and
-  diagnostics.jsonl written after the restored step are dropped: the run
-  writes them again.
-  Args:
-    state: the graph's `RunState` (its savers built).
-    init: the graph's initialiser of every variable.
-    folder: the `runs.RunFolder`.
-  Returns: (the run's `Position`, whether a checkpoint was restored).
-  Raises: runs.RunError if there are checkpoints but none is intact.
+  A damaged checkpoint is passed over, saying so; its files stay and its
+  folder's index lists the intact ones only. Metrics and diagnostics rows after
+  the restored step are dropped. Raises RunError if there are checkpoints but
+  none is intact.
   """
   ckpt, damaged = folder.newest_intact()
   for prefix, reason in damaged:

@@ -61,8 +61,7 @@ CHECKPOINT_PREFIX = "model.ckpt"   # <folder>/model.ckpt-<step>.index, ...
 
 
 def _tf():
-  """TensorFlow, imported on first use (see the module docstring), as the
-  programs import it (`startup`: quietly, oneDNN on)."""
+  """TensorFlow, imported on first use as the programs import it (`startup`)."""
   startup.import_tensorflow()
   import tensorflow as tf   # pylint: disable=import-outside-toplevel
   return tf
@@ -74,10 +73,8 @@ def _network():
 
 
 def _read_json(path, kind="a JSON file", required=False):
-  """The JSON value in `path`, or None where there is no such file: the one
-  reader of the run folder's JSON files.
-  Raises: RunError naming the file, "missing" where `required`, or "not
-  <kind> (why)" for a file that cannot be read as JSON."""
+  """The JSON value in `path`, or None where there is no such file. Raises
+  RunError naming the file: "missing" where `required`, or "not <kind>"."""
   if not os.path.exists(path):
     if required:
       raise RunError(f"{path}: missing")
@@ -90,8 +87,8 @@ def _read_json(path, kind="a JSON file", required=False):
 
 
 def _read_jsonl(path):
-  """The rows of a .jsonl file ([] if there is none).
-  Raises: RunError naming the file and the line of a row that is not JSON."""
+  """The rows of a .jsonl file ([] if there is none). Raises RunError naming the
+  file and the line of a row that is not JSON."""
   if not os.path.exists(path):
     return []
   rows = []
@@ -122,8 +119,7 @@ class RunFolder:
   # -- config.json
 
   def config(self):
-    """config.json as a dict, or None if there is none.
-    Raises: RunError for a file that is not a config.json."""
+    """config.json as a dict, or None if there is none."""
     path = self.file(CONFIG_FILE)
     saved = _read_json(path, "a valid config.json")
     if saved is not None and not (isinstance(saved, dict)
@@ -150,17 +146,10 @@ class RunFolder:
 
   def check_resume(self, model_fields, settings, may_change=(), setting_defaults=None,
                    adopt=False):
-    """Refuses to resume with other values than config.json records.
-
-    Args:
-      model_fields, settings: what the flags give (dicts).
-      may_change: fields and settings that may differ (not compared).
-      setting_defaults: what a setting config.json lacks (recorded since the
-        run started) meant; a missing model field means its default.
-      adopt: checkpoints without config.json may be resumed.
-    Raises: ValueError naming the file and the first differing field, or
-      checkpoints without config.json.
-    """
+    """Raises ValueError naming config.json and the first field (not in
+    `may_change`) whose recorded value differs from `model_fields` or
+    `settings`; a setting the file lacks is compared with `setting_defaults`.
+    Checkpoints without config.json are refused unless `adopt`."""
     saved = self.config()
     path = self.file(CONFIG_FILE)
     if saved is None:
@@ -187,8 +176,8 @@ class RunFolder:
         _same(path, field, setting_defaults[field], value)
 
   def check_writable(self):
-    """The folder, or the one that would hold it, takes a file.
-    Raises: ValueError naming the path."""
+    """Raises ValueError naming the path unless the folder, or the one that
+    would hold it, takes a file."""
     if os.path.exists(self.path) and not os.path.isdir(self.path):
       raise ValueError(f"--logdir={self.path}: is a file, expected a folder")
     folder = self.path
@@ -203,18 +192,7 @@ class RunFolder:
                        f"({e.strerror})") from None
 
   def lock(self):
-    """Makes this process the folder's one writer: an exclusive `flock` on
-    train.lock, held until `RunLock.release` or the end of the process (the
-    OS drops it when the process dies, SIGKILL too, so nothing stale is
-    left). The file names the holder (pid, host, start time). Creates the
-    folder if needed.
-
-    Not a guard across machines: a folder on a network file system may not
-    honour the lock between hosts.
-    Returns: a `RunLock`.
-    Raises: RunError naming the folder and the holder if another process
-      has it.
-    """
+    """A `RunLock`: this process as the folder's one writer."""
     return RunLock(self.path)
 
   # -- checkpoints
@@ -229,8 +207,7 @@ class RunFolder:
     return tf.train.latest_checkpoint(self.checkpoint_folder(which))
 
   def newest_intact(self):
-    """The newest checkpoint of latest/, best/ and epochs/ that reads back whole:
-    (prefix or None, [(prefix, reason)] of the newer damaged ones)."""
+    """`newest_intact` over latest/, best/ and epochs/."""
     return newest_intact([self.checkpoint_folder(w) for w in CHECKPOINT_FOLDERS])
 
   # -- rows
@@ -243,9 +220,8 @@ class RunFolder:
     files.append_jsonl(self.file(DIAGNOSTICS_FILE), row)
 
   def metrics(self, kind=None):
-    """metrics.jsonl's rows, each with its "kind" (rows written before the
-    field existed: "epoch" if they have the epoch's images_per_sec), all or
-    those of one kind."""
+    """metrics.jsonl's rows of `kind` (None: all), each with its "kind" (older
+    rows: "epoch" if they have images_per_sec)."""
     rows = [dict(r, kind=r.get("kind") or ("epoch" if "images_per_sec" in r
                                            else "validation"))
             for r in _read_jsonl(self.file(METRICS_FILE))]
@@ -255,8 +231,8 @@ class RunFolder:
     return _read_jsonl(self.file(DIAGNOSTICS_FILE))
 
   def drop_rows_after(self, step):
-    """Drops the metrics and diagnostics rows of steps after `step` (a
-    resumed run writes them again)."""
+    """Drops the metrics and diagnostics rows of steps after `step` (a resumed
+    run writes them again)."""
     for name in (METRICS_FILE, DIAGNOSTICS_FILE):
       path = self.file(name)
       if not os.path.exists(path):
@@ -270,8 +246,7 @@ class RunFolder:
   # -- results
 
   def read_json(self, name):
-    """The folder's JSON file `name` (e.g. a study's results), or None.
-    Raises: RunError naming the file if it is not JSON."""
+    """The folder's JSON file `name`, or None."""
     return _read_json(self.file(name))
 
   def write_json(self, name, value):
@@ -279,8 +254,8 @@ class RunFolder:
     files.write_json(self.file(name), value)
 
   def record_host(self, facts):
-    """host.json: `facts` (the machine, the code) as {"started": facts}; a
-    later start on another machine or code is added to "resumed"."""
+    """host.json: {"started": facts, "resumed": [...]}, where a later start on
+    another machine or code is added to "resumed"."""
     old = _read_json(self.file(HOST_FILE))
     if old is None:
       files.write_json(self.file(HOST_FILE), {"started": facts, "resumed": []})
@@ -289,9 +264,8 @@ class RunFolder:
       files.write_json(self.file(HOST_FILE), old)
 
   def copy_small_files(self, target, names=SMALL_FILES):
-    """Copies the files of `names` there are (never checkpoints) into the
-    folder `target` (created), as a study publishes a run; each file is
-    written whole or not at all (a crash leaves the earlier copy)."""
+    """Copies those of `names` there are (never checkpoints) into `target`, each
+    written whole or not at all."""
     os.makedirs(target, exist_ok=True)
     for name in names:
       if os.path.exists(self.file(name)):
@@ -301,8 +275,7 @@ class RunFolder:
   # -- what eval.py writes inside it
 
   def eval_folder(self, checkpoint, iter_routing, split):
-    """eval.py's default output folder for `checkpoint` scored with
-    `iter_routing` on `split`: eval_<checkpoint name>_r<r>_<split>/."""
+    """eval.py's default output folder: eval_<checkpoint name>_r<r>_<split>/."""
     return EvalFolder(self.file(
         f"eval_{os.path.basename(checkpoint)}_r{iter_routing}_{split}"))
 
@@ -317,10 +290,8 @@ PREDICTIONS_FILE = "predictions.csv"
 
 
 class EvalFolder:
-  """What eval.py writes for one checkpoint and split (by default inside the
-  run folder: `RunFolder.eval_folder`, `RunFolder.own_images_folder`; or
-  any --out_dir): results.json, predictions.csv (one row an example:
-  index, label(s), prediction(s), the capsule lengths), and the pictures."""
+  """What eval.py writes for one checkpoint and split: results.json,
+  predictions.csv (index, label(s), prediction(s), capsule lengths), pictures."""
 
   def __init__(self, path):
     self.path = path
@@ -332,12 +303,12 @@ class EvalFolder:
     files.write_json(self.file(EVAL_RESULTS_FILE), result)
 
   def results(self):
-    """results.json. Raises: RunError if it is missing or not JSON."""
+    """results.json. Raises RunError if missing or not JSON."""
     return _read_json(self.file(EVAL_RESULTS_FILE), "a valid results.json", required=True)
 
   def write_predictions(self, labels, predictions, lengths):
-    """predictions.csv; `labels` and `predictions` [n] (one digit an image)
-    or [n, 2] (two: columns label_a, label_b, prediction_a, prediction_b)."""
+    """predictions.csv; `labels` and `predictions` [n], or [n, 2] for two digits
+    an image."""
     two = labels.ndim == 2
     names = (["label_a", "label_b", "prediction_a", "prediction_b"] if two
              else ["label", "prediction"])
@@ -348,8 +319,8 @@ class EvalFolder:
     files.atomic_write(self.file(PREDICTIONS_FILE), "\n".join(lines) + "\n")
 
   def predictions(self):
-    """predictions.csv as columns: {name: [values]} (ints, lengths floats).
-    Raises: RunError if it is missing or its rows do not fit its header."""
+    """predictions.csv as {column: [values]}. Raises RunError if it is missing
+    or its rows do not fit its header."""
     path = self.file(PREDICTIONS_FILE)
     try:
       with open(path) as f:
@@ -374,12 +345,13 @@ LOCK_FILE = "train.lock"
 
 
 class RunLock:
-  """This process as the one writer of a run folder (`RunFolder.lock`).
+  """This process as the one writer of a run folder: an exclusive `flock` on
+  train.lock (naming the holder), dropped by `release` or when the process dies.
+  Raises RunError naming the holder if another process has it.
 
-  The lock file is never unlinked while another process may hold it open
-  unnoticed: after its flock a process checks that the path still names the
-  file it locked (a file unlinked by a refused start in between is not the
-  folder's lock any more) and locks the path again if not.
+  The file is never unlinked while another process may hold it open: after its
+  flock a process checks that the path still names the file it locked. Not a
+  guard across machines on a network file system.
   """
 
   def __init__(self, logdir):
@@ -420,11 +392,9 @@ class RunLock:
       return False
 
   def release(self, undo=False):
-    """Releases the lock (again: nothing). undo: a run that did not start
-    leaves the folder as it found it: a lock file that was there (a finished
-    run's) gets its bytes and times back; one this start made goes (while
-    still locked, so that whoever opened it meanwhile sees it is gone), and
-    the folder too if this lock made it and it is empty."""
+    """Releases the lock (again: nothing). `undo`, for a start that was refused:
+    a lock file that was there gets its bytes and times back; one this start
+    made goes, and the folder too if this lock made it empty."""
     if self._file.closed:
       return
     if undo:
@@ -478,15 +448,10 @@ def chosen_weights(ckpt):
 
 
 def model_saver(ckpt, variables, weights="auto"):
-  """A Saver that restores the model `variables` from `ckpt`, checked first.
-
-  Args:
-    weights: "raw", "averaged" (each variable from its moving average), or
-      "auto": what the run chose (`chosen_weights`).
-  Returns: (the Saver, "raw" or "averaged").
-  Raises: RunError for a checkpoint that does not fit, or averaged weights
-    asked of a run without them.
-  """
+  """(A Saver restoring the model `variables` from `ckpt`, checked first; "raw"
+  or "averaged"). `weights`: "raw", "averaged" (the moving averages) or "auto"
+  (what the run chose). Raises RunError for a checkpoint that does not fit, or
+  averaged weights a run did not keep."""
   tf = _tf()
   if weights not in WEIGHTS:
     raise RunError(f"--weights={weights}: expected one of {WEIGHTS}")
@@ -510,11 +475,8 @@ def _list(ckpt):
 
 
 def check_matches(ckpt, variables):
-  """Every model variable is in the checkpoint with the same shape.
-
-  Args:
-    variables: a list of variables, or a dict checkpoint name -> variable.
-  """
+  """Raises RunError unless every model variable (a list, or a dict checkpoint
+  name -> variable) is in `ckpt` with its shape and dtype."""
   tf = _tf()
   if not isinstance(variables, dict):
     variables = {v.op.name: v for v in variables}
@@ -540,9 +502,8 @@ def step_of(prefix):
 
 
 def checkpoints_in(folder):
-  """Checkpoint prefixes in `folder`, oldest first: those its `checkpoint`
-  file lists and any other `model.ckpt-<step>` with an index file (the
-  `checkpoint` file itself may be the damaged part)."""
+  """Checkpoint prefixes in `folder`, oldest first: those its `checkpoint` file
+  lists and any other with an index file."""
   tf = _tf()
   found = set()
   try:
@@ -561,8 +522,8 @@ def checkpoints_in(folder):
 
 
 def damage(prefix):
-  """Why the checkpoint cannot be restored (a short reason), or None if
-  every tensor in it reads back (TensorFlow checks each one's checksum)."""
+  """Why the checkpoint cannot be restored (a short reason), or None if every
+  tensor reads back (TensorFlow checks each one's checksum)."""
   tf = _tf()
   if not os.path.exists(prefix + ".index"):
     return "no .index file"
@@ -577,8 +538,8 @@ def damage(prefix):
 
 
 def error_reason(error):
-  """The informative line of a TensorFlow error (its message is framed by
-  "Graph execution error:", node names and hints), at most 200 characters."""
+  """The informative line of a TensorFlow error (without its "Graph execution
+  error:" framing), at most 200 characters."""
   message = getattr(error, "message", None) or str(error) or type(error).__name__
   frame = ("Graph execution error", "Detected at node", "File ", "Node:", "[[",
            "Hint:", "Traceback")
@@ -588,9 +549,8 @@ def error_reason(error):
 
 
 def relist(folder, prefixes):
-  """Rewrites `folder`'s `checkpoint` index to list `prefixes` (oldest
-  first; the newest is the one `tf.train.latest_checkpoint` names), or
-  removes the index if none is left. The checkpoint files are not touched."""
+  """Rewrites `folder`'s `checkpoint` index to list `prefixes` (oldest first),
+  or removes it if none; the checkpoints are not touched."""
   index = os.path.join(folder, "checkpoint")
   if not prefixes:
     if os.path.exists(index):
@@ -602,10 +562,8 @@ def relist(folder, prefixes):
 
 
 def newest_intact(folders):
-  """The newest checkpoint that reads back whole, over `folders`.
-
-  Returns: (prefix or None, [(prefix, reason)] of the newer damaged ones).
-  """
+  """(The newest checkpoint in `folders` that reads back whole, or None;
+  [(prefix, reason)] of the newer damaged ones)."""
   candidates = sorted((p for f in folders for p in checkpoints_in(f)),
                       key=step_of, reverse=True)
   damaged = []

@@ -1,17 +1,8 @@
-"""How the programs (train.py, eval.py, capsnet.pretrained) import
-TensorFlow: with oneDNN, without its start-up notices, and without Keras.
-
-- oneDNN's CPU kernels on (TF_ENABLE_ONEDNN_OPTS=1) unless the user has set
-  the variable: TensorFlow turns them on by itself only on CPUs with
-  AVX512-VNNI, AVX512-BF16 or AMX, and elsewhere its Eigen kernels train
-  far slower (docs/performance.md). `host.describe` records the setting.
-- TensorFlow's C++ start-up notices are hidden unless the user has set
-  TF_CPP_MIN_LOG_LEVEL (the import runs with standard error pointed at
-  /dev/null; an import that fails still raises with its traceback).
-- Keras, which `import tensorflow` imports only to register optimizers
-  capsnet never uses, is held back while TensorFlow imports (a quarter of
-  the import's time); `tf.keras` and `import keras` still work afterwards.
-"""
+"""How the programs import TensorFlow: oneDNN's CPU kernels on
+(TF_ENABLE_ONEDNN_OPTS=1; elsewhere than on CPUs with AVX512-VNNI, -BF16 or AMX
+TensorFlow leaves them off and trains far slower), its C++ start-up notices
+hidden, and Keras held back during the import (a quarter of its time; `tf.keras`
+still works). A variable the user set is left as it is."""
 import contextlib
 import os
 import sys

@@ -23,15 +23,10 @@ class Quit(KeyboardInterrupt):
 
 
 class StopRequest:
-  """A stop signal once: stop after this step and save, then exit with
-  128 + its number. Twice: quit at once, but never in the middle of writing
-  a checkpoint (it finishes first).
-
-  relay=True (a cluster's worker other than the chief, which saves nothing):
-  a first signal is only noted (`signum`); the worker passes it on to the
-  chief and trains on until the chief stops the run, so that no synchronous
-  update waits for it. `requested` then stays False.
-  """
+  """A stop signal once: stop after this step, save, exit with 128 + its number;
+  twice: quit at once, but never mid-checkpoint. With `relay` (a cluster's
+  non-chief worker) a first signal is only noted (`signum`), passed on to the
+  chief, and training goes on until the chief stops the run."""
 
   def __init__(self, relay=False):
     self.requested = False
