@@ -1,8 +1,6 @@
 """The answer across protocols (`study/answer.md`): each protocol's paired
-differences by length of training, side by side, from their results.json
-files alone; nothing is computed here that the protocols' own reports do
-not. `python -m capsnet.answer` is its command line.
-"""
+differences by length of training, side by side, from their results.json alone.
+`python -m capsnet.answer`."""
 import json
 import os
 
@@ -47,10 +45,8 @@ def _from_rows(rows, decay_steps):
 
 
 def _grid_row(label, selection, runs_by_variant):
-  """A row of a seeded grid (short, table1): each pair's paired differences
-  over the seeds both variants finished, and the routed variants' couplings
-  (routing.json: the mean largest coupling after the last iteration) and
-  gradient share (the last gradient diagnostic)."""
+  """A seeded grid's row: each pair's paired differences, the routed variants'
+  mean largest coupling after the last iteration and their last gradient share."""
   row = {"length": label, "selection": selection, "pairs": {}, "mechanism": {}}
   for a, b, _ in PAIRS:
     row["pairs"][f"{a}:{b}"] = {
@@ -68,10 +64,9 @@ def _grid_row(label, selection, runs_by_variant):
 
 
 def rows(study, protocols=PROTOCOLS):
-  """The table's rows from <study>/<protocol>/results.json of each of
-  `protocols` (a subset of PROTOCOLS).
-  Raises: runs.RunError naming a missing or damaged results.json; ValueError
-  for no protocol or an unknown one."""
+  """The rows from <study>/<protocol>/results.json of `protocols`. Raises
+  RunError naming a missing or damaged file, ValueError for none or an unknown
+  protocol."""
   unknown = [p for p in protocols if p not in PROTOCOLS]
   if unknown or not protocols:
     raise ValueError(f"--protocols={','.join(protocols)}: expected one or more of "
@@ -137,9 +132,8 @@ def markdown(table):
 
 
 def write(study, out=None, protocols=PROTOCOLS):
-  """answer.md and answer.json into `out` (default: `study`), from the
-  results of `protocols`; nothing is written if one is missing or damaged.
-  Returns the markdown."""
+  """answer.md and answer.json into `out` (default `study`), nothing if a
+  protocol's results are missing or damaged; returns the markdown."""
   out = out or study
   table = rows(study, protocols)
   text = markdown(table)

@@ -1,9 +1,6 @@
-"""The confirmatory protocol (docs/confirm.md): its registration as
-constants, the power computation that fixed its sixteen blocks, the
-registered rule (primary, equivalence, Holm's secondary pair, the claim's
-verdict) and the report from the run files. A block is the along
-protocol's, in fp32. `python -m capsnet.confirm` is its command line.
-"""
+"""The confirmatory protocol (docs/confirm.md): its registration as constants,
+the power computation behind its sixteen blocks, the registered rule and the
+report from the run files. `python -m capsnet.confirm`."""
 import os
 
 from capsnet.running import runs
@@ -45,9 +42,8 @@ def block_minutes(images_per_sec):
 
 
 def bench_speed(report):
-  """The fp32 planned training speed (images/s, the median of the rounds)
-  of a `capsnet.bench --json` report of START_BENCH.
-  Raises: ValueError if the report has no such figure."""
+  """The fp32 planned training images/s of a START_BENCH `capsnet.bench --json`
+  report. Raises ValueError if it has no such figure."""
   for r in report.get("results", ()):
     if (r.get("mode"), r.get("precision"), r.get("variant"), r.get("conv")) == (
         "train", "fp32", "ours", "planned"):
@@ -56,9 +52,9 @@ def bench_speed(report):
 
 
 def power_lines(pilot_found, kept):
-  """The registered power computation, as lines of text, from the pilot's
-  runs: its standard deviation of the primary difference, that estimate's
-  95% interval (four degrees of freedom), and the power of n blocks."""
+  """The registered power computation as lines of text: the pilot's sd of the
+  primary difference, its 95% interval (four degrees of freedom), and the power
+  of n blocks."""
   d = _primary(pilot_found, kept)
   if d is None or d["sd"] is None:
     raise ValueError("the pilot has fewer than two complete blocks")
@@ -131,9 +127,8 @@ def decide(found, kept, final):
 
 
 def host_kind(host):
-  """A host.json's machine, as the report groups blocks: the CPU's name and
-  its family and model (or, for runs that did not record them, its widest
-  vector instructions)."""
+  """A host.json's machine as the report groups blocks: the CPU's name and
+  family and model (older runs: its widest vector instructions)."""
   facts = (host or {}).get("started", {})
   extra = facts.get("cpu_id") or ("AVX-512" if "avx512f" in facts.get("flags", [])
                                     else "AVX2")
@@ -219,10 +214,10 @@ def markdown(found, kept, decision, blocks, pooled, pilot_blocks, by_kind, parti
 
 
 def plot(found, kept, decision, path):
-  """confirm.png: left, each block's difference in test error at epoch 10
-  for the three comparisons, their means with 95% intervals (the primary's
-  90% interval too, against the equivalence margins), called ones marked;
-  right, the stop's difference along training (descriptive)."""
+  """confirm.png: left, each block's epoch-10 test-error difference for the
+  three comparisons with means and 95% intervals (the primary's 90% against the
+  equivalence margins), called ones marked; right, the stop's difference along
+  training."""
   with study_report.drawing(path, (11, 4.4), ncols=2,
                             gridspec_kw={"width_ratios": [3, 2]}) as (left, right):
     _panels(found, kept, decision, left, right)
@@ -269,9 +264,8 @@ def _panels(found, kept, decision, left, right):
 
 
 def report(out, kept, pilot, folder):
-  """results.md, results.json and confirm.png into `folder`, from the runs in
-  `out` (the registered seeds) and the pilot's in `pilot`. Returns the
-  markdown."""
+  """results.md, results.json and confirm.png into `folder` from the runs in
+  `out` and the pilot's in `pilot`; returns the markdown."""
   collected = along.collect(out, SEEDS, kept)   # each run's files read once
   done, found = along.complete_blocks(collected, kept)
   partial = sorted({s for per in collected.values() for s in per} - set(done))

@@ -1,8 +1,7 @@
-"""The routing studies' machinery: the grids and their variants, training
-and scoring a run (train.py and eval.py as processes), and a grid's whole
-run and report. `python -m capsnet.study` is its command line; the
-protocols: docs/table1.md, docs/short.md.
-"""
+"""The routing studies' machinery: grids and their variants, training and
+scoring a run (train.py and eval.py as processes), a grid's run and report.
+Command line: `python -m capsnet.study`; protocols: docs/table1.md,
+docs/short.md."""
 import collections
 import os
 import subprocess
@@ -114,13 +113,9 @@ def other_routing(iter_routing):
 
 
 def measure_routing(folder, iter_routing):
-  """routing.json of a finished run: eval.py on its best checkpoint with its
-  own routing count and with `other_routing`, on the test set; the per
-  iteration couplings figures and how many predictions the other count
-  changes (fixed: wrong before, right after; broken: the reverse).
-
-  Returns: the routing.json dict. Exits if eval.py fails.
-  """
+  """routing.json of a finished run: eval.py on its best checkpoint on the test
+  set, with its own routing count and `other_routing` (`routing_summary`). Exits
+  if eval.py fails."""
   results = {}
   for r in (iter_routing, other_routing(iter_routing)):
     out = evaluate(folder, os.path.join(folder, f"routing_r{r}"), folder + ".log",
@@ -147,13 +142,9 @@ def evaluate(checkpoint, out_dir, log_path, *args, program="study"):
 
 
 def measure_affine(folder, sweep, out_folder=None):
-  """affine_results.json of a finished run: eval.py on its best checkpoint,
-  on the affine test set and the sets of the `sweep`'s largest rotations.
-
-  Args:
-    out_folder: where affine_results.json goes (default: the run's folder).
-  Returns: the affine_results.json dict. Exits if eval.py fails.
-  """
+  """affine_results.json of a finished run (into `out_folder`, default the
+  run's): eval.py on its best checkpoint on the affine test set and the
+  `sweep`'s sets. Exits if eval.py fails."""
   out_folder = out_folder or folder
   res = evaluate(folder, os.path.join(out_folder, "eval_affine"),
                  out_folder.rstrip("/") + ".log", "--split=affine",
@@ -166,14 +157,10 @@ def measure_affine(folder, sweep, out_folder=None):
 
 
 def routing_summary(own, other):
-  """routing.json from two (eval.py results.json, (labels, predictions)).
-
-  Returns: {"checkpoint", "uniform_entropy", "own": ..., "other": ...} each
-    with iter_routing, errors, error_percent, entropy and max_c per
-    iteration; "changed", "fixed", "broken": predictions of `other` that
-    differ from `own`'s, of which right only with `other`, right only with
-    `own`.
-  """
+  """routing.json from two (results.json, (labels, predictions)): "own" and
+  "other" (iter_routing, errors, error_percent, entropy and max_c per
+  iteration), and "changed", "fixed", "broken": the predictions `other` changes,
+  of which right only with `other`, only with `own`."""
   (res_a, (labels, pred_a)), (res_b, (labels_b, pred_b)) = own, other
   if labels != labels_b:
     raise ValueError("routing_summary: the two evaluations scored different images")

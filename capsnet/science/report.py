@@ -1,11 +1,7 @@
 """A study's report, from its runs' files alone: each run's figures
 (`describe_run`), a row per variant (`summarize`), paired comparisons
-(`compare`), the tables (`markdown`) and the plots, written by `report`
-into a folder with results.md and results.json; `publish` copies each run's
-small files beside them. How a grid is shown is its `Grid`'s: its title,
-the measures it compares, what pairs its runs (a seed, or a block), and
-whether its runs are scored on the affine sets.
-"""
+(`compare`), the tables (`markdown`) and the plots, written by `report` into a
+folder with results.md and results.json. A `Grid` says how it is shown."""
 import contextlib
 import dataclasses
 import io
@@ -120,17 +116,10 @@ def _better_weights(rows):
 
 
 def summarize(out, grid, variants, seeds, epochs, schedules=(schedule.DECAY_STEPS,)):
-  """Per-variant figures from the run folders.
-
-  Args:
-    grid: the `Grid` (its variants' flags).
-    seeds: the seeds to look for (an iterable of ints).
-    schedules: learning-rate decay periods; a row per variant and period.
-  Returns: one dict per (variant, period) with an epoch done: its runs
-    (`describe_run`) and, over its complete runs, the mean and (with two or
-    more) the sample standard deviation of the test error and of the mean
-    validation error of the last 10 epochs.
-  """
+  """A dict per (variant of `grid`, decay period of `schedules`) with an epoch
+  done: its runs of `seeds` (`describe_run`) and, over the complete ones, the
+  mean and (two or more) sample standard deviation of the test error and of the
+  last 10 epochs' mean validation error."""
   rows = []
   for name, decay_steps in ((n, d) for n in variants for d in schedules):
     runs = [describe_run(run_dir(out, name, s, decay_steps), epochs) for s in seeds]
@@ -212,17 +201,9 @@ class Grid:
 
 
 def compare(rows, pairs, figures=FIGURES):
-  """Paired differences B - A by seed, for each figure (the decision rule).
-
-  Args:
-    rows: `summarize`'s rows; a pair is compared at each decay period that
-      both variants have.
-    pairs: [(A, B)] variant names.
-    figures: (run key, label) pairs of the figures compared (a `Grid`'s
-      measures or descriptive figures).
-  Returns: one dict per pair and period: a, b, decay_steps, and per figure
-    key the `stats.paired_difference` over the complete runs (or None).
-  """
+  """Paired differences B - A by seed of `figures` ((run key, label) pairs) for
+  each (A, B) of `pairs`, at each decay period both have in `rows`: a dict per
+  pair and period, each figure's `stats.paired_difference` or None."""
   by_key = {(r["variant"], r["decay_steps"]): r for r in rows}
   out = []
   for a, b in pairs:
@@ -466,13 +447,8 @@ X_AXES = {"epoch": ("curves", 1, "epoch"),
 
 
 def band(curves):
-  """Mean, min and max over seeds at each x.
-
-  Args:
-    curves: one list of (x, y) per seed; a seed without a point at some x
-      (a run still in progress) is left out there.
-  Returns: (xs, means, mins, maxs), xs ascending.
-  """
+  """(xs ascending, means, mins, maxs) over `curves`, one list of (x, y) a seed;
+  a seed without a point at some x is left out there."""
   at = {}
   for curve in curves:
     for x, y in curve:
@@ -484,13 +460,9 @@ def band(curves):
 
 def plot(rows, path, title="CapsNet on MNIST: routing variants", x="epoch",
          reference=None):
-  """Validation error against epoch: a line per variant, the mean over its
-  seeds, in a band from the lowest to the highest seed.
-
-  Args:
-    x: "epoch", or "pairs": MultiMNIST training pairs seen, in millions.
-    reference: (error %, label): a horizontal line, e.g. the paper's result.
-  """
+  """Validation error against epoch (`x` "pairs": MultiMNIST pairs seen, in
+  millions): a line per variant, the mean over its seeds in a band from the
+  lowest to the highest; `reference` (error %, label) a horizontal line."""
   from matplotlib import ticker
   key, scale, xlabel = X_AXES[x]
   many = max(len(c) for r in rows for c in r[key]) > 30

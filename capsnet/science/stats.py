@@ -1,19 +1,13 @@
-"""Paired comparisons of seeds: the mean difference with a t interval.
-
-The study's decision rule (docs/table1.md, "The three-seed decision rule"): two
-variants run with the same seeds are compared by their per-seed differences;
-a difference is called only when its 95% interval excludes zero.
-"""
+"""Paired comparisons of seeds: the mean difference with a t interval, called
+only when its 95% interval excludes zero (docs/table1.md)."""
 import math
 import statistics
 
 
 def t_two_sided_coverage(t, df):
-  """P(|T| <= t) for Student's t with `df` (a positive int) degrees of freedom.
-
-  The closed form for integer degrees of freedom (Abramowitz and Stegun
-  26.7.3 and 26.7.4), with theta = atan(t / sqrt(df)).
-  """
+  """P(|T| <= t) for Student's t with `df` (a positive int) degrees of freedom:
+  the closed form of Abramowitz and Stegun 26.7.3 and 26.7.4, theta = atan(t /
+  sqrt(df))."""
   if df < 1 or int(df) != df:
     raise ValueError(f"t_two_sided_coverage: df must be a positive int, got {df!r}")
   theta = math.atan(abs(t) / math.sqrt(df))
@@ -51,16 +45,10 @@ def _inverse(increasing, target):
 
 
 def paired_difference(a, b, level=0.95):
-  """Per-seed differences b - a and their mean with a t confidence interval.
-
-  Args:
-    a, b: dicts seed -> figure (None: not available); the seeds both have are
-      paired.
-    level: coverage of the two-sided interval.
-  Returns: dict with seeds, diffs (in seed order), n, mean, sd (sample
-    standard deviation of the differences; None for n < 2), t, lo, hi (None
-    for n < 2), and called: the interval excludes zero. None if no seed pairs.
-  """
+  """Per-seed differences b - a (`a`, `b`: seed -> figure or None) and their
+  mean with a `level` t interval: a dict of seeds, diffs, n, mean, sd, t, lo, hi
+  (sd, lo and hi None for n < 2) and called (the interval excludes zero); None
+  if no seed pairs."""
   seeds = sorted(s for s in a if s in b and a[s] is not None and b[s] is not None)
   if not seeds:
     return None
@@ -92,13 +80,8 @@ def cell(d, spec, missing="", show_n=False):
 
 
 def verdict(d, unit="points", spec="+.3f", within=False):
-  """The decision rule's sentence for a `paired_difference` result.
-
-  Args:
-    spec: the format of the figures.
-    within: an interval that holds zero reads "within [lo, hi]" (the short
-      protocol's wording, docs/short.md).
-  """
+  """The decision rule's sentence for a `paired_difference` result, figures
+  formatted by `spec`; `within`: a null reads "within [lo, hi]"."""
   if d is None:
     return "no paired seeds"
   if d["lo"] is None:
@@ -144,14 +127,12 @@ def _normal_cdf(x):
 
 
 def paired_t_power(delta, sd, n, alpha=0.05, points=20000):
-  """The power of the two-sided paired t test at level `alpha` (its 1 - alpha
-  interval excludes zero) with `n` pairs whose differences have mean `delta`
-  and standard deviation `sd`.
+  """The power of the two-sided paired t test at level `alpha` with `n` pairs
+  whose differences have mean `delta` and sd `sd`.
 
-  The statistic is noncentral t: T = (Z + nc) / S with nc = delta sqrt(n) / sd,
-  S = sqrt(V / (n - 1)), V chi-squared with n - 1 degrees of freedom; the
-  power, E_S[P(Z > t S - nc) + P(Z < -t S - nc)] with t the two-sided
-  critical value, is integrated over S's density by the midpoint rule.
+  T = (Z + nc) / S is noncentral t, nc = delta sqrt(n) / sd, S = sqrt(V / (n -
+  1)), V chi-squared with n - 1 degrees of freedom; E_S[P(Z > t S - nc) + P(Z <
+  -t S - nc)] is integrated over S's density by the midpoint rule.
   """
   if n < 2 or sd <= 0:
     raise ValueError(f"paired_t_power: needs n >= 2 and sd > 0, got n={n!r}, sd={sd!r}")

@@ -1,12 +1,9 @@
-"""Your own digit images in MNIST's form, and the pictures eval.py draws of
-what the model does with them (pure NumPy but for decoding and resizing,
-which use TensorFlow's image ops).
+"""Your own digit images in MNIST's form, and the pictures eval.py draws of what
+the model does with them (NumPy, but TensorFlow's image ops decode and resize).
 
-MNIST's digits were made so (LeCun et al.): grey levels, the digit
-size-normalised into a 20x20 box keeping its aspect ratio (anti-aliased),
-then centred in a 28x28 field by its centre of mass. `preprocess` does the
-same to any image: grey, inverted if the background is light, cropped to
-the ink, scaled into 20x20, centred by centre of mass.
+MNIST's digits (LeCun et al.) are grey, size-normalised into a 20x20 box keeping
+their aspect ratio, then centred in 28x28 by centre of mass; `preprocess` does
+the same to any image, inverting a light background.
 """
 import re
 
@@ -23,11 +20,8 @@ class ImageError(ValueError):
 
 def preprocess(path):
   """An image file (PNG, JPEG, GIF or BMP; any size, colour or grey, either
-  polarity) as an MNIST digit.
-
-  Returns: uint8 `[28, 28, 1]`, white ink on black.
-  Raises: ImageError naming the file.
-  """
+  polarity) as an MNIST digit: uint8 `[28, 28, 1]`, white ink on black. Raises
+  ImageError naming the file."""
   grey = _decode_grey(path)                                  # [h, w] in [0, 1]
   edges = lambda a: np.concatenate([a[0], a[-1], a[:, 0], a[:, -1]])
   ink = 1.0 - grey if edges(grey).mean() > 0.5 else grey      # ink bright
@@ -107,15 +101,9 @@ def _paint(canvas, mask, top, left, colour):
 
 
 def report(image, reconstruction, lengths, prediction, zoom=4):
-  """One picture: the preprocessed input, its reconstruction (from the
-  predicted class's capsule) and the ten capsule lengths as bars over their
-  class digits, the predicted one in red; a dashed line at 0.5.
-
-  Args:
-    image: `[28, 28]` uint8; reconstruction: `[784]` in [0, 1] or None;
-    lengths: `[num_classes]`; prediction: int.
-  Returns: uint8 `[H, W, 3]`.
-  """
+  """One picture (uint8 `[H, W, 3]`): the input `[28, 28]`, its reconstruction
+  `[784]` (or None) and the capsule lengths as bars over their digits, the
+  `prediction` in red, a dashed line at 0.5."""
   size = FIELD * zoom
   grey = lambda a: np.repeat(np.kron(a, np.ones([zoom, zoom]))[..., None], 3, axis=2)
   panels = [grey(image / 255.0)]
@@ -136,30 +124,17 @@ def report(image, reconstruction, lengths, prediction, zoom=4):
 
 
 def routing_grids(couplings, prediction, grid, types):
-  """The coupling coefficients to the predicted digit capsule of each
-  routing iteration, averaged over the capsule types at each position.
-
-  Args:
-    couplings: `num_iters` arrays `[in_caps, num_classes]` for one image,
-      `in_caps` ordered (row, column, type) as PrimaryCaps makes them.
-    grid: PrimaryCaps rows = columns (6); types: capsule types (32).
-  Returns: `num_iters` arrays `[grid, grid]`.
-  """
+  """`num_iters` arrays `[grid, grid]`: the couplings (one image's `[in_caps,
+  num_classes]` an iteration, in_caps ordered (row, column, type)) to the
+  predicted capsule, averaged over the `types` at each position."""
   return [c[:, prediction].reshape(grid, grid, types).mean(axis=2) for c in couplings]
 
 
 def routing_figure(image, grids, entropies, kernels=(9, 9), stride=2, zoom=6):
-  """One panel per routing iteration: the input in grey and, over each
-  PrimaryCaps position (the centre of its receptive field in the input), a
-  red square whose strength goes from none at the smallest mean coupling
-  over the panels to full at the largest; below, the iteration's mean
-  entropy H (nats) and that range of c.
-
-  Args:
-    image: `[28, 28]` uint8; grids: from `routing_grids`; entropies: floats.
-    kernels: (Conv1, PrimaryCaps) kernel sizes; stride: PrimaryCaps stride.
-  Returns: uint8 `[H, W, 3]`.
-  """
+  """One panel per routing iteration (uint8 `[H, W, 3]`): the input in grey and,
+  over each PrimaryCaps position's receptive-field centre, a red square from
+  none at the smallest mean coupling over the panels to full at the largest;
+  below, the mean entropy H (nats) and that range of c."""
   size = image.shape[0] * zoom
   top = (kernels[0] + kernels[1] - 2) // 2      # centre of position (0, 0)
   low = min(g.min() for g in grids)
@@ -224,16 +199,9 @@ def figure4(blocks):
 
 
 def figure5(inputs, reconstructions, labels, predictions, zoom=3, per_row=6):
-  """Figure 5 of the paper, for MultiMNIST: each case a tile with the input
-  (grey) above the two reconstructions overlaid, the first in red and the
-  second in green (yellow where they overlap), and "L<labels> P<predicted>"
-  below.
-
-  Args:
-    inputs: `[n, s, s]` in [0, 1]; reconstructions: `[n, 2, s * s]`;
-    labels, predictions: `[n, 2]` ints.
-  Returns: uint8 `[H, W, 3]`, `per_row` tiles a row.
-  """
+  """Figure 5 of the paper (uint8 `[H, W, 3]`, `per_row` tiles a row): each case
+  the input `[s, s]` (grey) above its two reconstructions overlaid, the first
+  red, the second green, and "L<labels> P<predicted>" below."""
   size = inputs.shape[1]
   cases = []
   for k in range(len(inputs)):

@@ -1,14 +1,12 @@
-"""The trained model as a function of uint8 images: for eval.py's own-image
-mode and as a TensorFlow SavedModel that loads without this project's code.
+"""The trained model as a function of uint8 images: eval.py's own-image mode,
+and a SavedModel that loads without this project's code.
 
     python eval.py --checkpoint pretrained/r3_recon --export_savedmodel /tmp/capsnet
     saved_model_cli show --all --dir /tmp/capsnet
 
-The signature `serving_default` takes `images`, uint8 `[N, H, W, C]` (28x28x1
-for MNIST, white ink on black as MNIST has it), and returns `classes` (int32
-`[N]`), `lengths` (float32 `[N, num_classes]`, the capsule lengths) and,
-with the decoder, `reconstructions` (float32 `[N, H*W*C]` in [0, 1], from the
-predicted class's capsule).
+`serving_default` takes `images`, uint8 `[N, H, W, C]` (white ink on black), and
+returns `classes` `[N]`, `lengths` `[N, num_classes]` and, with the decoder,
+`reconstructions` `[N, H*W*C]` in [0, 1].
 """
 import os
 import shutil
@@ -42,14 +40,9 @@ def _restore(sess, ckpt, weights="auto"):
 
 
 def classify(cfg, ckpt, images, weights="auto"):
-  """Runs the model on uint8 `images [N, H, W, C]` (`weights`: see
-  `runs.model_saver`).
-
-  Returns: dict of NumPy arrays: classes `[N]`, lengths `[N, classes]`,
-    reconstructions `[N, pixels]` (with the decoder), couplings
-    `[N, iter_routing, in_caps, classes]` and routing_entropy `[N,
-    iter_routing]` (`evaluation.routing_movement`'s entropy, float64).
-  """
+  """{classes, lengths, reconstructions (with the decoder), couplings `[N,
+  iter_routing, in_caps, classes]`, routing_entropy `[N, iter_routing]`} of
+  uint8 `images` (`weights`: `runs.model_saver`'s)."""
   with tf.Graph().as_default():
     images_in, outputs, couplings = _graph(cfg)
     outputs["couplings"] = tf.stack(couplings, axis=1)
@@ -60,13 +53,9 @@ def classify(cfg, ckpt, images, weights="auto"):
 
 
 def export(cfg, ckpt, folder, weights="auto", log=print):
-  """Writes a SavedModel (signature `serving_default`) of the checkpoint,
-  whole or not at all: into `<folder>.partial` beside it, renamed to
-  `folder` once complete. A `<folder>.partial` left by an export that was
-  killed is removed first, saying so.
-
-  Raises: RunError if `folder` exists or the checkpoint does not fit.
-  """
+  """Writes a SavedModel of the checkpoint whole or not at all, via
+  `<folder>.partial` (one left by a killed export is removed, saying so). Raises
+  RunError if `folder` exists or the checkpoint does not fit."""
   folder = os.path.normpath(folder)
   if os.path.exists(folder):
     raise runs.RunError(f"--export_savedmodel={folder}: exists; give a new folder")
