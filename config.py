@@ -1,9 +1,7 @@
 """Command-line flags and their conversion into a `ModelConfig`.
 
-train.py calls the `define_*` functions at import, eval.py when run as a
-program (`eval.define_flags`, under `__main__`); both read FLAGS in main only.
-The graph builder takes the plain config. capsnet.study, capsnet.bench and
-capsnet.pretrained define flags of their own.
+train.py defines them at import, eval.py when run as a program; both read FLAGS
+in main only, and the graph builder takes the plain config.
 """
 import dataclasses
 import os
@@ -102,13 +100,9 @@ def cluster_from_flags(values):
 
 
 def model_config_from_flags(values):
-  """A ModelConfig from parsed flags (`FLAGS`, passed by a `main`); with
-  --dataset=multimnist the image size defaults to 36; --precision=auto gives
-  fp32 here (train.py asks the planner, `precision_auto`).
-
-  Raises:
-    ValueError: a value the config rejects; the message names the field.
-  """
+  """A ModelConfig from parsed flags; with --dataset=multimnist the image size
+  defaults to 36, --precision=auto gives fp32 (train.py's planner may choose
+  bf16). Raises ValueError naming the field."""
   kwargs = {}
   if not values["image_size"].present:   # the data set's
     kwargs["image_size"] = tasks.get(values["dataset"].value).image_size
@@ -273,13 +267,10 @@ class Settings:
     return {k: getattr(self, k) for k in RECORDED_SETTINGS}
 
   def check_resume(self, folder, cfg):
-    """Refuses a run folder (a `runs.RunFolder`) that has checkpoints but no
-    config.json (unless --adopt_checkpoints), or whose config.json disagrees
-    with `cfg` or these settings (but for MAY_CHANGE_ON_RESUME). Writes
-    nothing.
-
-    Raises: ValueError naming the file and the first differing field.
-    """
+    """Raises ValueError naming config.json and the first differing field if the
+    run folder's config.json disagrees with `cfg` or these settings (but for
+    MAY_CHANGE_ON_RESUME), or it has checkpoints but no config.json (unless
+    --adopt_checkpoints). Writes nothing."""
     folder.check_resume(dataclasses.asdict(cfg), self.recorded(),
                         may_change=MAY_CHANGE_ON_RESUME,
                         setting_defaults=SETTING_DEFAULTS, adopt=self.adopt_checkpoints)
@@ -293,13 +284,9 @@ class Settings:
     return tasks.get(self.dataset, self.multimnist_shift)
 
   def load_splits(self, cfg, task):
-    """train/validation/test arrays of the data set (its `task`), checked
-    against the model config `cfg`.
-
-    Raises: DataError (a ValueError) for missing or corrupt files, ValueError
-    for images or labels the model cannot take, or a batch larger than the
-    training split.
-    """
+    """train/validation/test arrays of the task, checked against `cfg`. Raises
+    DataError for missing or corrupt files, ValueError for images or labels the
+    model cannot take or a batch over the training split."""
     splits = task.load(self.data_dir, self.val_size, self.download)
     if self.train_size:
       splits["train"] = tuple(a[:self.train_size] for a in splits["train"])
@@ -319,11 +306,9 @@ class Settings:
 
 
 def settings_from_flags(values):
-  """A `Settings` from parsed flags; resolves the device and data defaults.
-
-  Raises: ValueError for a batch that does not split over the towers or a
-  cluster description that cannot be used (cluster_spec.ClusterError).
-  """
+  """A `Settings` from parsed flags, device and data defaults resolved. Raises
+  ValueError for a batch that does not split over the towers or a cluster
+  description that cannot be used."""
   derived = ("cluster", "workers", "precision_auto")
   names = [f.name for f in dataclasses.fields(Settings) if f.name not in derived]
   kwargs = {name: values[name].value for name in names}
@@ -368,10 +353,8 @@ def kept_past_the_end(keep_epochs, epochs):
 
 
 def check_cluster(cluster, dataset, ema_decay, precision):
-  """What does not run on a cluster (yet), decided here only.
-
-  Raises: ValueError naming the flag, where `cluster` is not None.
-  """
+  """Raises ValueError naming the flag for what does not run on a cluster (yet),
+  where `cluster` is not None."""
   if cluster is None:
     return
   if dataset == "multimnist":

@@ -1,26 +1,18 @@
-"""Evaluates a trained CapsNet on the full test set, the validation split or
-the affine test set.
+"""Evaluates a trained CapsNet on the test set, the validation split or the
+affine test set.
 
   python eval.py --checkpoint logs/run              # best checkpoint of a logdir
   python eval.py --checkpoint logs/run --which=latest
   python eval.py --checkpoint logs/run/best/model.ckpt-21500 --iter_routing=5
-  python eval.py --checkpoint logs/run --split=affine   # capsnet/data/affine.py
   python eval.py --checkpoint logs/run --split=affine --affine_sweep=0,5,10,45
   python eval.py --checkpoint pretrained/r3_recon --conv_impl=auto   # planned here
 
-The graph is rebuilt from the run's config.json; --iter_routing, --precision,
---conv_impl and --dtype override the run's (a dtype the checkpoint does not
-hold is refused, naming the variable). The convolutions are computed as the
-run computed them (its recorded plan or method), so its own scores are
-reproduced; --conv_impl=auto scores a split with the methods planned on this
-host for the forward pass alone (`planner.plan_inference`), faster.
-
-Writes to --out_dir (default <logdir>/eval_<checkpoint name>_r<routing
-count>_<split>/, or <logdir>/own_images/ with --images; `runs.EvalFolder`):
-results.json, predictions.csv, reconstructions.png (inputs beside their
-reconstructions) and figure4.png (each of the 16 dimensions of the predicted
-capsule perturbed over [-0.25, 0.25] in steps of 0.05, decoded; Figure 4 of
-the paper).
+The graph is rebuilt from the run's config.json (--iter_routing, --precision,
+--conv_impl and --dtype override it) and computes the convolutions as the run
+did, so its scores are reproduced; --conv_impl=auto plans them here for the
+forward alone. Writes results.json, predictions.csv, reconstructions.png and
+figure4.png (Figure 4 of the paper) to --out_dir (default
+<logdir>/eval_<checkpoint>_r<r>_<split>/). More: docs/using.md.
 """
 import dataclasses
 import json
@@ -176,9 +168,9 @@ def affine_sweep(s):
 
 
 def classify_files(cfg, ckpt, s):
-  """Classifies image files; prints a line (or JSON) each and writes their
-  pictures. A file that cannot be used gets one line on stderr and the
-  others are still classified. Returns: the exit status (1 if any failed)."""
+  """Classifies image files: a line (or JSON) and pictures each; a file that
+  cannot be used gets one line on stderr. Returns the exit status (1 if any
+  failed)."""
   images, names, failed = [], [], 0
   for path in s.images:
     try:
@@ -224,14 +216,9 @@ def make_writable_folder(path):
 
 
 def evaluate(cfg, ckpt, task, split, s, sweep=()):
-  """Scores a split of the `task`'s data, (images, labels) or for MultiMNIST
-  (images, labels, targets), with the checkpoint; writes to s.out_dir and
-  prints the report.
-
-  Args:
-    sweep: [(largest rotation in degrees, (images, labels))]: more affine
-      sets, scored with the same weights into results.json's "sweep".
-  """
+  """Scores a split of the `task`'s data (images, labels[, targets]) with the
+  checkpoint, writes to s.out_dir and prints the report; `sweep` [(largest
+  rotation, (images, labels))]: more affine sets, into "sweep"."""
   out_dir = s.out_dir
   images, labels = split[:2]
   with tf.Graph().as_default():
@@ -288,11 +275,8 @@ def write_figure5(sess, ev, split, path, cases=6, scan=500):
 
 
 def write_pictures(sess, ev, figure4, images, labels, cfg, s, out_dir):
-  """reconstructions.png and figure4.png from the first test images.
-
-  Args:
-    figure4: (v placeholder, class placeholder, decoded images) of `network.decode`.
-  """
+  """reconstructions.png and figure4.png from the first test images; `figure4`:
+  `network.decode`'s (v, class placeholders, images)."""
   n = max(s.num_images, s.figure4_images)
   sess.run(ev.iterator.initializer, {ev.images: images[:n], ev.labels: labels[:n]})
   inputs, recon, v, pred = sess.run([ev.batch_images, ev.outputs.reconstructions,

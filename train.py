@@ -1,18 +1,14 @@
 """Trains CapsNet on MNIST: `python train.py --iter_routing=3`.
 
-Session-based (tf.compat.v1). The model runs on --device (GPU when present),
-the input pipeline on the CPU, soft placement lets the same graph run
-anywhere. --logdir is a run folder (`capsnet/running/runs.py` has its layout):
-the config, checkpoints in latest/ (every --save_every steps and each epoch
-end), best/ (the best validation accuracy; ties: the lower validation loss)
-and epochs/ (the ends of the --keep_epochs epochs), the metrics and
-diagnostic rows, TensorBoard events and, at the end, the best checkpoint's
-test results. Re-running with the same --logdir resumes from latest/ (step,
-optimizer state, epoch, position in the epoch's data order).
+Session-based (tf.compat.v1): the model on --device (GPU when present), the
+input pipeline on the CPU, soft placement. --logdir is a run folder
+(`capsnet/running/runs.py`): config, checkpoints in latest/, best/ (the best
+validation accuracy) and epochs/ (--keep_epochs), metrics, TensorBoard events
+and the best checkpoint's test results. Re-running with the same --logdir
+resumes exactly.
 
-The file reads top to bottom: `main` reads the flags once, decides the
-precision and the convolution plan and takes the run folder; `build_graph`
-builds everything the run computes; `train` is the loop. A cluster's
+`main` reads the flags once, decides precision and plan and takes the folder;
+`build_graph` builds what the run computes; `train` is the loop. A cluster's
 workers run the same loop; what differs is their role's
 (`capsnet/running/roles.py`).
 """
@@ -111,12 +107,9 @@ TrainGraph = collections.namedtuple("TrainGraph", [
 
 
 def build_graph(cfg, s, task, role, devices, fixed_batch):
-  """Everything train.py runs, in one finalized tf.Graph: the input
-  pipeline, the towers' gradients (`network.tower_gradients`) and Adam, the
-  validation graph, the gradient diagnostic on `fixed_batch` (images,
-  labels, targets or None) and the run's state, placed by the role (in a
-  cluster the variables live on the ps tasks and, with --sync, the
-  optimizer aggregates one gradient per worker: the role's `placement`)."""
+  """Everything train.py runs, in one finalized tf.Graph: input pipeline,
+  towers' gradients and Adam, validation graph, the gradient diagnostic on
+  `fixed_batch` and the run's state, placed by the role."""
   place = role.placement
   graph = tf.Graph()
   with graph.as_default(), place.scope():
@@ -158,13 +151,9 @@ def build_graph(cfg, s, task, role, devices, fixed_batch):
 
 
 def train(cfg, s, task, role, folder, splits):
-  """Trains until --epochs or --max_steps, then tests the best checkpoint.
-
-  Writes config.json once the session is restored or initialised. A stop
-  signal (Ctrl-C, SIGTERM, SIGHUP) ends the step; the run saves and exits
-  with status 128 + the signal's number. Only the process that `writes`
-  restores, validates, saves and writes.
-  """
+  """Trains until --epochs or --max_steps, then tests the best checkpoint. A
+  stop signal ends the step; the run saves and exits with 128 + the signal's
+  number. Only the process that `writes` restores, validates, saves and writes."""
   place = role.placement
   devices = place.devices(config.tower_devices(s.device, s.num_gpus))
   g = build_graph(cfg, s, task, role, devices, task.fixed_batch(splits))

@@ -4,15 +4,9 @@
   python -m capsnet.bench --precision=fp32 --json=bench.json
   python -m capsnet.bench --profile               # where the step's time goes
 
-Each (variant, convolutions, precision, mode) is timed in a fresh child
-process: the median images/s over --steps, the peak RSS and, for our
-training step, its fraction of the roofline on this host
-(`capsnet.roofline`). `ours` runs with each of --convs (`planned`: the
-host's plan; or a fixed method); `tiled` is the naive TF1-style baseline
-(`tiled_digit_caps`); mode `layers` times PrimaryCaps' convolution alone
-and `routing` routing's two forms. Everything repeats in --rounds
-interleaved rounds and the report gives medians; a machine that was not idle
-is said. How to read the figures, and today's: docs/performance.md.
+Each measurement runs in a fresh child process, in --rounds interleaved rounds;
+the report gives medians and says when the machine was not idle. How to read the
+figures, and today's: docs/performance.md.
 """
 import dataclasses
 import multiprocessing
@@ -37,8 +31,7 @@ VARIANTS = ("ours", "tiled")
 
 
 def define_flags():
-  """The command-line flags; defined when run as a program only, so that
-  importing this module (tests, other tools) adds no global flags."""
+  """The flags, defined only when run as a program."""
   flags.DEFINE_integer("batch_size", 128, "images per step", lower_bound=1)
   flags.DEFINE_integer("iter_routing", 3, "routing iterations", lower_bound=1)
   flags.DEFINE_list("precision", ["fp32", "bf16"], "precisions to measure")
@@ -73,13 +66,10 @@ FLAGS = flags.FLAGS
 
 
 def flops_per_image(cfg, train):
-  """Analytic multiply-add FLOPs (x2) per image of the CapsNet step.
-
-  Forward: Conv1, PrimaryCaps conv, u_hat = W u, routing (r weighted sums,
-  r - 1 agreements), decoder. Training adds the backward pass: twice the
-  forward for every layer but Conv1, whose input needs no gradient (once).
-  Element-wise ops (squash, softmax, losses) are not counted.
-  """
+  """Nominal FLOPs (a multiply-add is 2) per image of the step, PrimaryCaps as a
+  direct convolution: Conv1, PrimaryCaps, u_hat, routing (r weighted sums, r - 1
+  agreements), decoder; training adds twice the forward for every layer but
+  Conv1 (once: no input gradient). Element-wise ops are not counted."""
   conv1 = 2 * cfg.conv1_size ** 2 * cfg.conv1_kernel ** 2 * cfg.image_channels \
       * cfg.conv1_channels
   primary = 2 * cfg.primary_size ** 2 * cfg.primary_kernel ** 2 * cfg.conv1_channels \
@@ -93,18 +83,10 @@ def flops_per_image(cfg, train):
 
 
 def tiled_digit_caps(u, out_caps, out_dim, num_iters, stop_gradient, official=False):
-  """Baseline DigitCaps: W and u tiled over the batch, routing as in the TF1
-  reference (its `routing()` in capsLayer.py): `s_j` by broadcast multiply
-  and reduce, the agreement by tiling `v_j` over the input capsules and a
-  batched [16, 1]^T [16, 1] matmul. Logits are per example, as in our model
-  (the reference sums them over the batch), and the inner iterations read a
-  stopped `u_hat` when `stop_gradient`.
-
-  The signature, results and variable of `layers.digit_caps` (W [in_caps,
-  out_caps, in_dim, out_dim]), so that `_build` puts it in the place of ours
-  and the rest of the model (losses, decoder) is the same. The paper's
-  layers only (`official` False).
-  """
+  """Baseline DigitCaps as the TF1 reference's `routing()` (capsLayer.py): W and
+  u tiled over the batch, `s_j` by broadcast multiply and reduce, the agreement
+  by tiling `v_j`. Logits per example and the stop as in ours; the signature,
+  results and variable of `layers.digit_caps`, paper's layers only."""
   import tensorflow as tf
   from capsnet.model import routing
   if official:
@@ -144,9 +126,8 @@ def _build(variant, cfg, images, labels, train):
 
 
 def model(variant, cfg, images, labels, train):
-  """(predictions, loss) of `variant`'s model. The baseline is ours (its
-  layers below DigitCaps, losses and decoder) with `tiled_digit_caps` in
-  ours' place and TensorFlow's own convolutions."""
+  """(predictions, loss) of `variant`'s model; the baseline is ours with
+  `tiled_digit_caps` and TensorFlow's convolutions."""
   import tensorflow as tf
   from capsnet.model import layers
   from capsnet.model import network
@@ -170,13 +151,8 @@ def model(variant, cfg, images, labels, train):
 
 
 def _step_graph(variant, precision, mode, settings, conv="custom_grad"):
-  """In the default graph: the config and the step op on a fixed batch.
-
-  Args:
-    conv: a `CONVS` choice for `ours`: "planned" plans (or reads the cache)
-      first, for this mode's batch.
-  Returns: (cfg, op, the planning's seconds or None).
-  """
+  """(cfg, the step op on a fixed batch, the planning's seconds or None) in the
+  default graph; `conv` "planned" plans (or reads the cache)."""
   import numpy as np
   import tensorflow as tf
   from capsnet.model import network
@@ -231,10 +207,9 @@ def _measure(variant, precision, mode, settings, conv, queue):
 
 
 def _profile(precision, settings, queue, traces=3, top=12):
-  """Child process: per-op times of our training step from TensorFlow's
-  step trace, ops run one at a time (inter-op threads 1) so that their times
-  add up to the step; put the per-part totals (`roofline.part_of`), the top
-  ops and each part's FLOPs and bytes (`roofline.step_costs`) on `queue`."""
+  """Child process: per-op times of our training step from step traces, ops one
+  at a time so that they add up; per part (`roofline`), the top ops and each
+  part's costs."""
   import collections
   tf = _child_tensorflow()
   per_op = collections.Counter()
@@ -266,9 +241,8 @@ def _profile(precision, settings, queue, traces=3, top=12):
 
 
 def profile(settings, precisions):
-  """Prints where the training step's time goes, per precision: each part's
-  time, FLOPs, bytes and fraction of its roofline on this host (the matmul
-  peak and memory bandwidth measured first, in the same run)."""
+  """Prints where the training step's time goes, per precision, each part
+  against its roofline (peak and bandwidth measured in the same run)."""
   reports, busy = [], []
   _idle("the memory bandwidth", busy)
   bandwidth = _in_child(_bandwidth, settings["bandwidth_mb"])
@@ -365,7 +339,7 @@ def _measure_input(settings, queue, n=55000, batches=200):
 
 def _measure_layers(precision, settings, queue):
   """Child process: PrimaryCaps' convolution (forward and both gradients) by
-  each method, ms (median of 5), at the benchmark's batch."""
+  each method, ms (median of 5)."""
   _child_tensorflow()
   from capsnet.model import fast_conv
   from capsnet.model import network
@@ -381,11 +355,9 @@ def _measure_layers(precision, settings, queue):
 
 
 def _measure_routing(settings, queue, repeats=7):
-  """Child process: routing alone (--iter_routing iterations, the stop on,
-  forward and the gradient to u_hat) at the paper's shapes, in the dtype it
-  runs in under both precisions (the variables', float32), by
-  `routing.procedure_1` (the paper's sums) and by `routing.dynamic_routing`
-  (the matmuls the model uses), run in turn; ms, the median of `repeats`."""
+  """Child process: routing alone (the stop on, forward and the gradient to
+  u_hat) at the paper's shapes in float32, by `routing.procedure_1` and by
+  `routing.dynamic_routing`, in turn; median ms."""
   tf = _child_tensorflow()
   import numpy as np
   from capsnet.model import network
@@ -420,11 +392,8 @@ def _measure_routing(settings, queue, repeats=7):
 
 
 def _matmul_peak(dtype_name, n, queue, reps=10):
-  """Child process: best GFLOP/s of four independent n x n matmuls.
-
-  The operands are variables already in the dtype and only one element of
-  each product is fetched, so the timed work is the matmuls alone.
-  """
+  """Child process: best GFLOP/s of four independent n x n matmuls of variables,
+  one element of each fetched."""
   tf = _child_tensorflow()
   dtype = tf.as_dtype(dtype_name)
   with tf.Graph().as_default():
@@ -438,9 +407,7 @@ def _matmul_peak(dtype_name, n, queue, reps=10):
 
 
 def _child_tensorflow():
-  """TensorFlow in a child as train.py imports it (`startup`: no Keras and,
-  unless the user set TF_CPP_MIN_LOG_LEVEL, no start-up notices), in graph
-  mode."""
+  """TensorFlow in a child as train.py imports it, graph mode."""
   startup.import_tensorflow()
   import tensorflow as tf
   tf.compat.v1.disable_eager_execution()
@@ -448,9 +415,8 @@ def _child_tensorflow():
 
 
 def _idle(label, samples):
-  """Samples how busy other programs keep the machine (`host.others_busy`)
-  before a measurement, appends it to `samples`, says it in one line if the
-  machine is not idle."""
+  """Appends how busy other programs keep the machine to `samples`, saying it in
+  one line if not idle."""
   cores = host.others_busy()
   samples.append(cores or 0.0)
   line = host.busy_line(f"bench: before {label}", cores)
@@ -473,8 +439,7 @@ def _label(r):
 
 
 def _one_round(settings, precisions, variants, modes, convs=("custom_grad",)):
-  """Every measurement once, each in a fresh child; ratios within the round.
-  Before each, how busy other programs keep the machine (`_idle`)."""
+  """Every measurement once, each in a fresh child; ratios within the round."""
   busy = []
   _idle("the matmul peak", busy)
   peaks = {p: _in_child(_matmul_peak, "float32" if p == "fp32" else "bfloat16",
@@ -563,9 +528,8 @@ def _line(r):
 
 
 def _against(r):
-  """A step's rate against the machine: for our training step, the
-  method's own GFLOP/s and the fraction of its roofline (`roofline`); else
-  GFLOP/s counting PrimaryCaps as a direct convolution, whatever ran."""
+  """Our training step's GFLOP/s and fraction of its roofline; else GFLOP/s by
+  the direct-convolution count."""
   if "fraction_of_limit" in r:
     return (f"{r['method_gflop'] / r['step_ms'] * 1e3:6.1f} GFLOP/s, "
             f"{r['fraction_of_limit']:.2f} of its limit ({r['limit_ms']:.0f} ms)")
@@ -573,8 +537,8 @@ def _against(r):
 
 
 def summarize(rounds):
-  """Medians over rounds: of each figure, and of each within-round ratio and
-  fraction of the same round's peak (peak RSS: the largest)."""
+  """Medians over rounds of each figure and within-round ratio (peak RSS: the
+  largest)."""
   def key(r):
     return (r["mode"], r.get("precision"), r.get("variant"), r.get("conv"))
   results = []
@@ -598,9 +562,8 @@ def summarize(rounds):
 
 
 def run(settings, precisions, variants, modes, rounds=1, convs=("custom_grad",)):
-  """`rounds` interleaved rounds of every measurement, then their medians:
-  the machine drifts by 10-20% over minutes, so a figure measured once, or
-  all figures of one kind in a row, would compare different machine states."""
+  """`rounds` interleaved rounds of every measurement, then the medians (the
+  machine drifts by 10-20% over minutes)."""
   per_round = []
   for n in range(rounds):
     print(f"-- round {n + 1} of {rounds}", flush=True)

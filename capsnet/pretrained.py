@@ -2,12 +2,10 @@
 
   python -m capsnet.pretrained --run=$HOME/table1/r3_recon_seed0 --out=pretrained/r3_recon
 
-Writes <out>/best/model.ckpt-<step> (the `capsnet/` variables in float32: no
-optimizer slots, no run state; the averaged weights under the variables' own
-names where the run chose them) and <out>/config.json (the run's config with
-precision fp32, plus where the weights came from and the precision they were
-trained in), so that `python eval.py --checkpoint <out>` scores them like any
-run.
+Writes <out>/best/model.ckpt-<step> (the `capsnet/` variables in float32, the
+averaged weights under their own names where the run chose them) and
+<out>/config.json (the run's, precision fp32, plus the weights' origin), so that
+`python eval.py --checkpoint <out>` scores them like any run.
 """
 import os
 import sys
@@ -28,12 +26,9 @@ FLAGS = flags.FLAGS
 
 
 def ship(run, out):
-  """Copies the model variables of `run`'s best checkpoint to `out`.
-
-  Returns: the new checkpoint prefix.
-  Raises: runs.RunError for a missing, damaged or unusable run, or an
-    existing `out`.
-  """
+  """Copies the model variables of `run`'s best checkpoint to `out`; returns the
+  new prefix. Raises RunError for a missing, damaged or unusable run, or an
+  existing `out`."""
   import numpy as np
   import tensorflow as tf
   from capsnet.running import runs
