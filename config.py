@@ -46,33 +46,9 @@ def define_model_flags():
       flags.DEFINE_string(name, default, help_)
 
 
-def define_data_flags(dataset_default=tasks.DEFAULT, flag_values=flags.FLAGS):
-  fv = flag_values
-  flags.DEFINE_enum("dataset", dataset_default, DATASETS,
-                    "data set; multimnist: pairs of overlapping MNIST digits "
-                    "(Section 6), made from the MNIST files" + (
-                        "" if dataset_default else
-                        " (default: the one the run trained on)"), flag_values=fv)
-  flags.DEFINE_string("data_dir", None, "folder of the four .gz files "
-                      "(default: data/<dataset>; data/mnist for multimnist)",
-                      flag_values=fv)
-  flags.DEFINE_bool("download", True, "fetch missing files from public mirrors",
-                    flag_values=fv)
-  if dataset_default is None:   # eval.py: the split comes from config.json
-    return
-  flags.DEFINE_integer("val_size", tasks.VAL_SIZE, "validation images held out from the "
-                       "end of the training file (0 allowed)", lower_bound=0,
-                       flag_values=fv)
-  flags.DEFINE_integer("multimnist_shift", multimnist.PAIR_SHIFT, "multimnist: "
-                       "largest shift of each digit in pixels (the paper: 4; the "
-                       "official generator's README: 6)", lower_bound=0,
-                       upper_bound=16, flag_values=fv)
-
-
 def define_train_flags():
   """Model, data and trainer flags (train.py; capsnet.study passes train.py flags through)."""
   define_model_flags()
-  define_data_flags()
   define_flags_of(Settings)
   define_cluster_flags()
 
@@ -197,19 +173,32 @@ def define_flags_of(settings_class, flag_values=flags.FLAGS):
       _DEFINE[kind](field.name, default, help=help_, flag_values=flag_values, **options)
 
 
+DATASET_HELP = ("data set; multimnist: pairs of overlapping MNIST digits (Section 6), "
+                "made from the MNIST files")
+
+
 @dataclasses.dataclass(frozen=True)
-class Settings:
-  """The trainer's flags (all but the model's), read once in `main`: a
-  field made by `flag` is its flag; the data set's are `define_data_flags`'
-  (shared with eval.py), the cluster's description `define_cluster_flags`'."""
+class DataSettings:
+  """The data set's flags, train.py's and eval.py's."""
+  dataset: str = flag("enum", tasks.DEFAULT, DATASET_HELP, enum_values=DATASETS)
+  data_dir: str = flag("string", None, "folder of the four .gz files "
+                       "(default: data/<dataset>; data/mnist for multimnist)")
+  download: bool = flag("bool", True, "fetch missing files from public mirrors")
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings(DataSettings):
+  """The trainer's flags (all but the model's), read once in `main`: a field
+  made by `flag` is its flag; the cluster's description is
+  `define_cluster_flags`'."""
   logdir: str = flag("string", "logs/run", "checkpoints, config.json, metrics, events")
-  dataset: str = tasks.DEFAULT
-  data_dir: str = None
-  download: bool = True
-  val_size: int = tasks.VAL_SIZE
+  val_size: int = flag("integer", tasks.VAL_SIZE, "validation images held out from the "
+                       "end of the training file (0 allowed)", lower_bound=0)
   train_size: int = flag("integer", 0, "use only the first N training images (0: all); "
                          "for quick experiments and tests", lower_bound=0)
-  multimnist_shift: int = multimnist.PAIR_SHIFT   # multimnist: largest shift of a digit
+  multimnist_shift: int = flag("integer", multimnist.PAIR_SHIFT, "multimnist: largest "
+                               "shift of each digit in pixels (the paper: 4; the official "
+                               "generator's README: 6)", lower_bound=0, upper_bound=16)
   epochs: int = flag("integer", 50, "training epochs", lower_bound=1)
   max_steps: int = flag("integer", 0, "stop after this many global steps (0: no limit; "
                         "for smoke tests)", lower_bound=0)

@@ -44,9 +44,8 @@ flag = config.flag
 
 
 @dataclasses.dataclass(frozen=True)
-class Settings:
-  """eval.py's flags, read once in `main` (a field made by `flag` is its
-  flag; the data set's are `config.define_data_flags`')."""
+class Settings(config.DataSettings):
+  """eval.py's flags, read once in `main`; a field made by `flag` is its flag."""
   checkpoint: str = flag("string", None, "checkpoint prefix or training logdir")
   which: str = flag("enum", "best", "checkpoint of a logdir", enum_values=["best", "latest"])
   weights: str = flag("enum", "auto", "the raw weights, their moving average (runs with "
@@ -71,9 +70,8 @@ class Settings:
   device: str = flag("string", None, "model device (default /gpu:0 if present)")
   num_images: int = flag("integer", 16, "images in reconstructions.png", lower_bound=1)
   figure4_images: int = flag("integer", 3, "test images in figure4.png", lower_bound=1)
-  dataset: str = None       # None: the run's own
-  data_dir: str = None
-  download: bool = True
+  dataset: str = flag("enum", None, config.DATASET_HELP + " (default: the one the run "
+                      "trained on)", enum_values=config.DATASETS)
   images: tuple = flag("string", None, "instead of a split: classify these image files "
                        "(--images a.png b.jpg ...; any size, colour or grey), writing "
                        "<name>.png and <name>_routing.png for each to --out_dir")
@@ -89,7 +87,6 @@ def define_flags(fv=flags.FLAGS):
   """eval.py's flags, defined in `fv`: absl's global FLAGS when run as a
   program; tests give their own, beside train.py's (some names are shared)."""
   config.define_flags_of(Settings, fv)
-  config.define_data_flags(dataset_default=None, flag_values=fv)
   flags.mark_flag_as_required("checkpoint", flag_values=fv)
 
 

@@ -114,16 +114,20 @@ def test_each_settings_field_made_by_flag_is_one_flag_with_its_bounds():
   fv = flags.FlagValues()
   config.define_flags_of(config.Settings, fv)
   made = {f.name for f in dataclasses.fields(config.Settings) if "flag" in f.metadata}
-  assert set(fv) == made and {"epochs", "keep_epochs", "sync", "replan"} <= made
-  assert not made & {"dataset", "cluster", "workers", "precision_auto"}
+  assert set(fv) == made and {"epochs", "keep_epochs", "sync", "replan", "dataset",
+                              "val_size"} <= made
+  assert not made & {"cluster", "workers", "precision_auto"}
   fv(["train.py", "--keep_epochs=1,5", "--epochs=3", "--nosync"])
   assert (fv.keep_epochs, fv.epochs, fv.sync, fv.logdir) == (["1", "5"], 3, False,
                                                              "logs/run")
-  for name, bad in (("epochs", "0"), ("ema_decay", "1.0"), ("cluster_wait_secs", "0")):
+  assert (fv.dataset, fv.val_size, fv.multimnist_shift) == ("mnist", 5000, 4)
+  for name, bad in (("epochs", "0"), ("ema_decay", "1.0"), ("cluster_wait_secs", "0"),
+                    ("val_size", "-1"), ("multimnist_shift", "17"), ("dataset", "cifar")):
     with pytest.raises(flags.IllegalFlagValueError):
       fv[name].parse(bad)
   fv = flags.FlagValues()
   config.define_flags_of(eval_py.Settings, fv)
   assert fv["which"].default == "best" and fv["affine_sweep"].default == []
+  assert fv["dataset"].default is None and fv["download"].default is True
   with pytest.raises(flags.IllegalFlagValueError):
     fv["which"].parse("newest")
