@@ -65,23 +65,6 @@ def define_flags():
 FLAGS = flags.FLAGS
 
 
-def flops_per_image(cfg, train):
-  """Nominal FLOPs (a multiply-add is 2) per image of the step, PrimaryCaps as a
-  direct convolution: Conv1, PrimaryCaps, u_hat, routing (r weighted sums, r - 1
-  agreements), decoder; training adds twice the forward for every layer but
-  Conv1 (once: no input gradient). Element-wise ops are not counted."""
-  conv1 = 2 * cfg.conv1_size ** 2 * cfg.conv1_kernel ** 2 * cfg.image_channels \
-      * cfg.conv1_channels
-  primary = 2 * cfg.primary_size ** 2 * cfg.primary_kernel ** 2 * cfg.conv1_channels \
-      * cfg.primary_types * cfg.primary_dim
-  u_hat = 2 * cfg.in_caps * cfg.num_classes * cfg.primary_dim * cfg.digit_dim
-  routing = 2 * cfg.in_caps * cfg.num_classes * cfg.digit_dim * (2 * cfg.iter_routing - 1)
-  sizes = [cfg.num_classes * cfg.digit_dim, *cfg.decoder_units, cfg.num_pixels]
-  decoder = sum(2 * a * b for a, b in zip(sizes, sizes[1:])) if cfg.use_decoder else 0
-  rest = primary + u_hat + routing + decoder
-  return 2 * conv1 + 3 * rest if train else conv1 + rest
-
-
 def tiled_digit_caps(u, out_caps, out_dim, num_iters, stop_gradient, official=False):
   """Baseline DigitCaps as the TF1 reference's `routing()` (capsLayer.py): W and
   u tiled over the batch, `s_j` by broadcast multiply and reduce, the agreement
@@ -192,7 +175,7 @@ def _measure(variant, precision, mode, settings, conv, queue):
         sess.run(op)
         times.append(time.perf_counter() - t)
   step = statistics.median(times)
-  gflop = flops_per_image(cfg, mode == "train") * batch / 1e9
+  gflop = roofline.nominal_flops(cfg, batch, mode == "train") / 1e9
   costs = {}
   if mode == "train" and variant == "ours":
     costs = {part: [c.flops, c.bytes] for part, c in roofline.step_costs(
@@ -529,7 +512,7 @@ def _line(r):
 
 def _against(r):
   """Our training step's GFLOP/s and fraction of its roofline; else GFLOP/s by
-  the direct-convolution count."""
+  the nominal count (`roofline.nominal_flops`)."""
   if "fraction_of_limit" in r:
     return (f"{r['method_gflop'] / r['step_ms'] * 1e3:6.1f} GFLOP/s, "
             f"{r['fraction_of_limit']:.2f} of its limit ({r['limit_ms']:.0f} ms)")

@@ -65,62 +65,80 @@ def dft_multiply_adds(batch, h, w, c, k, n, stride, products=3):
   return (x_width + x_height, kernel, inverse), nh * bw * batch * c * n * products
 
 
-def conv_costs(method, batch, h, w, c, k, n, stride, input_grad, itemsize, bf16):
-  """{part: Cost} of one convolution's forward and gradients (weights, bias
-  and, with `input_grad`, the input) by `method`; parts "transforms" and
-  "products" (a direct method: all of it "products")."""
+def conv_costs(method, batch, h, w, c, k, n, stride, input_grad, itemsize, bf16,
+               train=True):
+  """{part: Cost} of one convolution by `method`: its forward and, if `train`,
+  its gradients (weights, bias and, with `input_grad`, the input); parts
+  "transforms" and "products" (a direct method: all of it "products")."""
   oh, ow = (h - k) // stride + 1, (w - k) // stride + 1
   x, y, wt = batch * h * w * c, batch * oh * ow * n, k * k * c * n
-  # forward: read x, w, write y; backward: read dy, x (and w), write dw (and dx)
-  moved = itemsize * (x + wt + y + y + x + wt + (wt + x if input_grad else 0))
-  grads = 2 if input_grad else 1     # backward products per forward product
+  moved = itemsize * (x + wt + y)   # forward: read x, w, write y
+  passes = 1                        # products: the forward's, then the gradients'
+  if train:   # read dy, x (and w), write dw (and dx)
+    moved += itemsize * (y + x + wt + (wt + x if input_grad else 0))
+    passes += 2 if input_grad else 1
   if method != "dft":
     return {"transforms": Cost(0, 0),
-            "products": Cost(2 * batch * oh * ow * k * k * c * n * (1 + grads), moved)}
+            "products": Cost(2 * batch * oh * ow * k * k * c * n * passes, moved)}
   (x_tf, kernel, inverse), products = dft_multiply_adds(batch, h, w, c, k, n, stride,
                                                         4 if bf16 else 3)
-  x_passes = 2 if input_grad else 1  # the input's transforms and their gradient
-  transforms = 2 * (x_tf * x_passes + 2 * kernel + 2 * inverse)
+  x_passes = 2 if train and input_grad else 1   # the input's transforms, their gradient
+  w_passes = 2 if train else 1
+  transforms = 2 * (x_tf * x_passes + w_passes * (kernel + inverse))
   return {"transforms": Cost(transforms, 0),
-          "products": Cost(2 * products * 3, moved)}
+          "products": Cost(2 * products * passes, moved)}
 
 
-def step_costs(cfg, batch, methods, itemsize=4):
-  """{part: Cost} of one training step of `cfg` (a `network.ModelConfig`) at
-  `batch`, the convolutions by `methods` ({layer: method})."""
+def step_costs(cfg, batch, methods, itemsize=4, train=True):
+  """{part: Cost} of one step of `cfg` (a `network.ModelConfig`) at `batch`, the
+  convolutions by `methods` ({layer: method}): a training step (forward,
+  gradients, Adam), or with `train` False the forward alone."""
   bf16 = cfg.precision == "bf16"
   conv_item = 2 if bf16 else itemsize
   c1 = conv_costs(methods["conv1"], batch, cfg.image_size, cfg.image_size,
                   cfg.image_channels, cfg.conv1_kernel, cfg.conv1_channels, 1, False,
-                  conv_item, bf16)
+                  conv_item, bf16, train)
   pc = conv_costs(methods["primary_caps"], batch, cfg.conv1_size, cfg.conv1_size,
                   cfg.conv1_channels, cfg.primary_kernel,
                   cfg.primary_types * cfg.primary_dim, cfg.primary_stride, True,
-                  conv_item, bf16)
+                  conv_item, bf16, train)
   i, o, k, d, r = (cfg.in_caps, cfg.num_classes, cfg.primary_dim, cfg.digit_dim,
                    cfg.iter_routing)
   u, w_caps, u_hat = batch * i * k, i * o * k * d, batch * i * o * d
+  dense = 3 if train else 1   # a dense product's passes: forward, both gradients
   costs = {
       "conv1": c1["transforms"] + c1["products"],
       "primary_caps/transforms": pc["transforms"],
       "primary_caps/products": pc["products"],
-      # forward, and the gradients of W and u: read u, W, write u_hat; read
+      # forward: read u, W, write u_hat; the gradients of W and u: read
       # d u_hat, u, W, write dW, du
-      "u_hat": Cost(3 * 2 * u_hat * k, itemsize * (2 * u + 2 * w_caps + 2 * u_hat
-                                                    + w_caps + u)),
+      "u_hat": Cost(dense * 2 * u_hat * k, itemsize * (
+          u + w_caps + u_hat + (u_hat + 2 * u + 2 * w_caps if train else 0))),
   }
   passes = 2 * r - 1                               # r weighted sums, r - 1 agreements
-  back = 1 if cfg.stop_gradient or r == 1 else passes
+  back = 0 if not train else 1 if cfg.stop_gradient or r == 1 else passes
   costs["routing"] = Cost(2 * u_hat * (passes + back), itemsize * u_hat * (passes + back))
   sizes = [o * d, *cfg.decoder_units, cfg.num_pixels] if cfg.use_decoder else []
   weights = sum(a * b for a, b in zip(sizes, sizes[1:]))
-  costs["decoder"] = Cost(3 * 2 * batch * weights, itemsize * 3 * weights)
+  costs["decoder"] = Cost(dense * 2 * batch * weights, itemsize * dense * weights)
   params = (cfg.conv1_kernel ** 2 * cfg.image_channels * cfg.conv1_channels
             + cfg.primary_kernel ** 2 * cfg.conv1_channels * cfg.primary_types
             * cfg.primary_dim + w_caps + weights)
-  costs["adam"] = Cost(10 * params, 4 * 7 * params)   # read p, m, v, g; write p, m, v
+  # read p, m, v, g; write p, m, v
+  costs["adam"] = Cost(10 * params, 4 * 7 * params) if train else Cost(0, 0)
   costs["other"] = Cost(0, 0)
   return costs
+
+
+# The convolutions as direct ones: the nominal count by which the benchmark
+# states every step's rate, whatever method ran.
+DIRECT = {"conv1": "conv2d", "primary_caps": "conv2d"}
+
+
+def nominal_flops(cfg, batch, train):
+  """FLOPs of one step of `cfg` at `batch`, its convolutions counted as direct
+  ones (`DIRECT`)."""
+  return sum(c.flops for c in step_costs(cfg, batch, DIRECT, train=train).values())
 
 
 def methods_of(cfg, device=None):

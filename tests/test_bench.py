@@ -16,18 +16,24 @@ from capsnet.model import network
 from conftest import ROOT
 
 
-def test_flops_per_image_paper_model():
-  """Counted by hand from the layer shapes (see the docstring)."""
+def test_nominal_flops_of_the_paper_model():
+  """Counted by hand from the layer shapes, the convolutions as direct ones:
+  the forward; a training step is 3 x the forward of every layer but Conv1
+  (no input gradient: 2 x), routing with the stop once backward, and Adam's
+  10 FLOPs a weight (biases not counted)."""
   cfg = network.ModelConfig()
   conv1 = 2 * 20 * 20 * 81 * 256                      # 16,588,800
+  routing = 2 * 1152 * 10 * 16                        # one pass over u_hat
   rest = (2 * 6 * 6 * 81 * 256 * 256                   # PrimaryCaps
           + 2 * 1152 * 10 * 8 * 16                     # u_hat
-          + 2 * 1152 * 10 * 16 * 5                     # 3 sums + 2 agreements
           + 2 * (160 * 512 + 512 * 1024 + 1024 * 784))  # decoder
-  assert bench.flops_per_image(cfg, train=False) == conv1 + rest == 406_405_120
-  assert bench.flops_per_image(cfg, train=True) == 2 * conv1 + 3 * rest
+  assert roofline.nominal_flops(cfg, 1, train=False) == conv1 + rest + 5 * routing \
+      == 406_405_120                                   # 3 sums + 2 agreements
+  assert roofline.nominal_flops(cfg, 128, train=False) == 128 * 406_405_120
+  assert roofline.nominal_flops(cfg, 128, train=True) == 128 * (
+      2 * conv1 + 3 * rest + 6 * routing) + 10 * (8_215_568 - 2_832)
   no_dec = network.ModelConfig(use_decoder=False)
-  assert bench.flops_per_image(cfg, False) - bench.flops_per_image(no_dec, False) \
+  assert roofline.nominal_flops(cfg, 1, False) - roofline.nominal_flops(no_dec, 1, False) \
       == 2 * (160 * 512 + 512 * 1024 + 1024 * 784)
 
 
@@ -136,8 +142,7 @@ def test_cli_small_run_writes_json(tmp_path):
     assert r["images_per_sec"] == pytest.approx(4 / (r["step_ms"] / 1000))
     assert r["gflops"] == pytest.approx(r["gflop_per_image"] * r["images_per_sec"])
     assert r["fraction_of_fp32_peak"] == pytest.approx(r["gflops"] / peak)
-    assert r["gflop_per_image"] == pytest.approx(
-        bench.flops_per_image(network.ModelConfig(), train=False) / 1e9)
+    assert r["gflop_per_image"] == pytest.approx(406_405_120 / 1e9)   # the nominal count
   by = {r["conv"] if r["variant"] == "ours" else "tiled": r["images_per_sec"]
         for r in report["results"]}
   assert report["ratios"]["infer_fp32_ours_over_tiled"] == pytest.approx(
@@ -220,6 +225,14 @@ def test_step_costs_of_the_paper_model():
   nostop = roofline.step_costs(dataclasses.replace(cfg, stop_gradient=False), 128,
                                {"conv1": "patch_gemm", "primary_caps": "dft"})
   assert nostop["routing"].bytes == 10 * u_hat_bytes
+  forward = roofline.step_costs(cfg, 128, {"conv1": "dft", "primary_caps": "dft"},
+                                train=False)
+  assert forward["primary_caps/products"].flops == 2 * 190 * 128 * 256 * 256 * 3
+  assert forward["routing"].bytes == 5 * u_hat_bytes and forward["adam"].flops == 0
+  conv1_dft = roofline.step_costs(cfg, 128, {"conv1": "dft", "primary_caps": "dft"})
+  assert conv1_dft["conv1"].flops - forward["conv1"].flops == 2 * (   # its gradient:
+      roofline.dft_multiply_adds(128, 28, 28, 1, 9, 256, 1)[1]        # the products
+      + sum(roofline.dft_multiply_adds(128, 28, 28, 1, 9, 256, 1)[0][1:]))  # w, inverse
   assert roofline.Cost(2e9, 1e9).limit(100.0, 10.0) == pytest.approx(0.1)   # memory
   assert roofline.Cost(2e10, 1e8).limit(100.0, 10.0) == pytest.approx(0.2)  # compute
 
