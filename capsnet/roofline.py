@@ -1,4 +1,4 @@
-"""Each part of the training step against its own limit on this host:
+"""Each part of a step (training, or the forward alone) against its own limit:
 max(its FLOPs / the matmul peak, the bytes it must move at least / the
 memory bandwidth), both measured by `capsnet.bench` in the same round; the
 parts (`PARTS`) are found by the op names of a step trace (`part_of`).

@@ -142,9 +142,9 @@ def download(url, path, md5, timeout=30.0):
 def ensure_files(dataset, data_dir, download_missing=True, mirrors=None,
                  timeout=30.0):
   """{"train_images": path, ...}: the four files of `dataset` in `data_dir`,
-  verified, missing ones fetched from `mirrors` (default: the data set's) unless
-  not `download_missing`. Raises DataError for an unknown data set, a corrupt
-  file, or files missing (the message says how to supply them)."""
+  verified, missing ones fetched from `mirrors` (default: the data set's) where
+  `download_missing`. Raises DataError for an unknown data set, a corrupt file,
+  or files missing (the message says how to supply them)."""
   if dataset not in DATASETS:
     raise DataError(f"unknown dataset {dataset!r}, expected one of {sorted(DATASETS)}")
   spec = DATASETS[dataset]

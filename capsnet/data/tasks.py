@@ -2,7 +2,7 @@
 pipelines, epoch order and feed, diagnostic batch, heads (`network.HEADS`),
 metric (`score`), eval.py's pictures and the study's x axis. No other module
 compares data set names. `Digits`: MNIST and Fashion-MNIST; `DigitPairs`:
-MultiMNIST (docs/multimnist.md)."""
+MultiMNIST (docs/multimnist.md). The data modules load on first use."""
 import importlib
 
 import numpy as np

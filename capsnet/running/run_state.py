@@ -34,7 +34,7 @@ class Position:
 
 def is_better(accuracy, loss, best_accuracy, best_loss, tie_wins=True):
   """The best-checkpoint rule: a higher validation accuracy wins, then the lower
-  validation loss, then the later (this) one unless not `tie_wins`; compared in
+  validation loss, then the later (this) one if `tie_wins`; compared in
   float32, as the checkpoint keeps them, so a resumed run decides as an
   uninterrupted one."""
   accuracy, loss = np.float32(accuracy), np.float32(loss)
