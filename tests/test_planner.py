@@ -284,3 +284,24 @@ def test_a_plan_measured_on_a_busy_machine_is_said_marked_and_measured_again(
   planner.plan_convolutions(SMALL_CFG, 32, True, path=path, log=lines.append, timer=timer)
   assert len(calls) == 7 and len(lines) == 1
   assert all("busy_cores" not in e for e in json.load(open(path))["entries"].values())
+
+
+def test_the_planner_program_imports_tensorflow_as_the_trainer_does():
+  """`python -m capsnet.running.planner` caches plans under the key of oneDNN
+  on (`host.describe`), so it must time with oneDNN on: TensorFlow imported
+  through `startup` (quietly, oneDNN on), not first by fast_conv."""
+  import subprocess
+  import sys
+  from conftest import ROOT
+  script = ("import os, runpy, sys; sys.argv = ['planner', '--help']\n"
+            "try:\n  runpy.run_module('capsnet.running.planner', run_name='__main__')\n"
+            "except SystemExit:\n  pass\n"
+            "from tensorflow.python.util import _pywrap_util_port\n"
+            "print(os.environ.get('TF_ENABLE_ONEDNN_OPTS'), _pywrap_util_port.IsMklEnabled())")
+  env = {k: v for k, v in os.environ.items()
+         if k not in ("TF_ENABLE_ONEDNN_OPTS", "TF_CPP_MIN_LOG_LEVEL")}
+  proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                        cwd=ROOT, env=env, timeout=120)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert proc.stdout.splitlines()[-1] == "1 True"
+  assert "I0000" not in proc.stderr and "All log messages" not in proc.stderr

@@ -15,9 +15,11 @@ import statistics
 import sys
 import time
 
-from capsnet.model import fast_conv
-from capsnet.running import files
-from capsnet.running import host
+from capsnet.running import startup
+startup.import_tensorflow()   # run as a program too: before fast_conv imports it
+from capsnet.model import fast_conv  # noqa: E402
+from capsnet.running import files  # noqa: E402
+from capsnet.running import host  # noqa: E402
 
 CACHE_VERSION = 1
 REPEATS = 3        # timed runs of each candidate (the median counts)
@@ -286,8 +288,6 @@ def describe(report):
 
 def main():
   import argparse   # pylint: disable=import-outside-toplevel
-  from capsnet.running import startup   # pylint: disable=import-outside-toplevel
-  startup.import_tensorflow()
   from capsnet.model import network   # pylint: disable=import-outside-toplevel
   parser = argparse.ArgumentParser(description="plan the convolutions on this host")
   parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
