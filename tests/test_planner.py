@@ -305,3 +305,21 @@ def test_the_planner_program_imports_tensorflow_as_the_trainer_does():
   assert proc.returncode == 0, proc.stderr[-2000:]
   assert proc.stdout.splitlines()[-1] == "1 True"
   assert "I0000" not in proc.stderr and "All log messages" not in proc.stderr
+
+
+@pytest.mark.integration
+def test_the_planner_program_plans_and_refuses_a_bad_value_in_one_line(tmp_path):
+  import subprocess
+  import sys
+  from conftest import ROOT
+  env = dict(os.environ, CAPSNET_CACHE_DIR=str(tmp_path))
+  run = lambda *flags: subprocess.run(
+      [sys.executable, "-m", "capsnet.running.planner", *flags], capture_output=True,
+      text=True, cwd=ROOT, env=env, timeout=600)
+  proc = run("--batch_size=0")
+  assert proc.returncode == 1 and not (tmp_path / "conv_plans.json").exists()
+  assert "flag --batch_size=0: 0 is not a positive integer" in proc.stderr
+  proc = run("--batch_size=4", "--inference")
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  plan = proc.stdout.split()[0]
+  assert fast_conv.parse_plan(plan) and (tmp_path / "conv_plans.json").exists()

@@ -286,19 +286,27 @@ def describe(report):
   return "; ".join(parts)
 
 
-def main():
-  import argparse   # pylint: disable=import-outside-toplevel
+def define_flags():
+  """The program's flags, defined when run as one."""
+  from absl import flags   # pylint: disable=import-outside-toplevel
+  flags.DEFINE_enum("precision", "fp32", ["fp32", "bf16"], "the model's precision")
+  flags.DEFINE_integer("batch_size", 128, "the batch one tower computes", lower_bound=1)
+  flags.DEFINE_bool("inference", False, "plan the forward alone (eval.py "
+                    "--conv_impl=auto), not the training step")
+
+
+def main(argv):
+  from absl import flags   # pylint: disable=import-outside-toplevel
   from capsnet.model import network   # pylint: disable=import-outside-toplevel
-  parser = argparse.ArgumentParser(description="plan the convolutions on this host")
-  parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
-  parser.add_argument("--batch_size", type=int, default=128)
-  parser.add_argument("--inference", action="store_true")
-  args = parser.parse_args()
+  del argv
+  values = flags.FLAGS
   start = time.perf_counter()
-  cfg = network.ModelConfig(precision=args.precision)
-  plan, report = plan_convolutions(cfg, args.batch_size, not args.inference)
+  cfg = network.ModelConfig(precision=values.precision)
+  plan, report = plan_convolutions(cfg, values.batch_size, not values.inference)
   print(f"{plan}  ({describe(report)}; {time.perf_counter() - start:.1f} s)")
 
 
 if __name__ == "__main__":
-  main()
+  from absl import app   # pylint: disable=import-outside-toplevel
+  define_flags()
+  app.run(main)
