@@ -2,6 +2,8 @@
 import dataclasses
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -9,7 +11,8 @@ from capsnet.model import fast_conv
 from capsnet.model import network
 from capsnet.running import planner
 from capsnet.running import runs
-from conftest import QUICK, THREE_EPOCHS, eval_here, needs_mnist, train_here, weights_sha256
+from conftest import (QUICK, ROOT, THREE_EPOCHS, eval_here, needs_mnist, train_here,
+                      weights_sha256)
 
 import tensorflow as tf
 
@@ -290,9 +293,6 @@ def test_the_planner_program_imports_tensorflow_as_the_trainer_does():
   """`python -m capsnet.running.planner` caches plans under the key of oneDNN
   on (`host.describe`), so it must time with oneDNN on: TensorFlow imported
   through `startup` (quietly, oneDNN on), not first by fast_conv."""
-  import subprocess
-  import sys
-  from conftest import ROOT
   script = ("import os, runpy, sys; sys.argv = ['planner', '--help']\n"
             "try:\n  runpy.run_module('capsnet.running.planner', run_name='__main__')\n"
             "except SystemExit:\n  pass\n"
@@ -309,9 +309,6 @@ def test_the_planner_program_imports_tensorflow_as_the_trainer_does():
 
 @pytest.mark.integration
 def test_the_planner_program_plans_and_refuses_a_bad_value_in_one_line(tmp_path):
-  import subprocess
-  import sys
-  from conftest import ROOT
   env = dict(os.environ, CAPSNET_CACHE_DIR=str(tmp_path))
   run = lambda *flags: subprocess.run(
       [sys.executable, "-m", "capsnet.running.planner", *flags], capture_output=True,

@@ -15,6 +15,9 @@ import statistics
 import sys
 import time
 
+from absl import app
+from absl import flags
+
 from capsnet.running import startup
 startup.import_tensorflow()   # run as a program too: before fast_conv imports it
 from capsnet.model import fast_conv  # noqa: E402
@@ -286,9 +289,11 @@ def describe(report):
   return "; ".join(parts)
 
 
+FLAGS = flags.FLAGS
+
+
 def define_flags():
   """The program's flags, defined when run as one."""
-  from absl import flags   # pylint: disable=import-outside-toplevel
   flags.DEFINE_enum("precision", "fp32", ["fp32", "bf16"], "the model's precision")
   flags.DEFINE_integer("batch_size", 128, "the batch one tower computes", lower_bound=1)
   flags.DEFINE_bool("inference", False, "plan the forward alone (eval.py "
@@ -296,17 +301,14 @@ def define_flags():
 
 
 def main(argv):
-  from absl import flags   # pylint: disable=import-outside-toplevel
   from capsnet.model import network   # pylint: disable=import-outside-toplevel
   del argv
-  values = flags.FLAGS
   start = time.perf_counter()
-  cfg = network.ModelConfig(precision=values.precision)
-  plan, report = plan_convolutions(cfg, values.batch_size, not values.inference)
+  cfg = network.ModelConfig(precision=FLAGS.precision)
+  plan, report = plan_convolutions(cfg, FLAGS.batch_size, not FLAGS.inference)
   print(f"{plan}  ({describe(report)}; {time.perf_counter() - start:.1f} s)")
 
 
 if __name__ == "__main__":
-  from absl import app   # pylint: disable=import-outside-toplevel
   define_flags()
   app.run(main)
