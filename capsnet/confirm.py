@@ -1,18 +1,20 @@
-"""The confirmatory test of the stop (docs/confirm.md): sixteen fresh
-blocks of the along protocol (capsnet/along.py), fp32, from one commit.
+"""The confirmatory test of the stop (docs/confirm.md): its 48 runs in one
+registered sequence, fp32, from the registration commit, in the lock file's
+environment.
 
-  python -m capsnet.confirm --power                 # the registered power computation
-  python -m capsnet.confirm --fits=170              # does a block fit 170 minutes?
-  python -m capsnet.confirm --first_seed=K --out=$HOME/confirm   # block K (5 <= K <= 20)
+  python -m capsnet.confirm --out=$HOME/confirm --publish=PATH/study/confirm   # the runs
   python -m capsnet.confirm --train=false --out=study/confirm    # the report
+  python -m capsnet.confirm --power                 # the registered power computation
+  python -m capsnet.confirm --order                 # the registered order table
 
-The report (results.md, results.json, confirm.png) is computed from the run
-files alone; while blocks are missing it says "interim" and calls nothing.
+Running resumes the part-way run where the page's rule allows, else restarts
+or starts the run due, and goes on through the sequence (--runs: how many to
+end). A stop signal saves the run, records its part-way state in the
+published folder and exits 128 + the signal. The report is computed from the
+run files alone; while blocks are missing it shows progress only.
 """
 import os
-import subprocess
 import sys
-import tempfile
 
 from absl import app
 from absl import flags
@@ -20,28 +22,52 @@ from absl import flags
 from capsnet.running import runs
 from capsnet.science import along
 from capsnet.science import confirm
+from capsnet.science import confirm_run
 from capsnet.science import grids
 
 
 def define_flags():
-  along.define_block_flags("confirm", confirm.SEEDS[0], 1, " (registered: "
-                           f"{confirm.SEEDS[0]}-{confirm.SEEDS[-1]})")
+  flags.DEFINE_string("out", os.path.join(os.path.expanduser("~"), "confirm"),
+                      "folder of the runs (checkpoints included)")
+  flags.DEFINE_string("publish", os.path.join(grids.ROOT, "study", "confirm"),
+                      "the committed copy: each run's small files and scorings as it "
+                      "ends, the part-way states and the report")
+  flags.DEFINE_bool("train", True, "run the sequence (false: the report of --out only)")
+  flags.DEFINE_integer("runs", None, "end this many runs, then stop (default: every "
+                       "run left)", lower_bound=1)
+  flags.DEFINE_bool("restart", False, "run the due run again whole, in a fresh folder, "
+                    "where the rule says so (its folder gone, or another host identity); "
+                    "without it the command refuses")
+  flags.DEFINE_integer("epochs", along.EPOCHS, "epochs a run (registered: 10; only a "
+                       f"test run, {confirm_run.UNCHECKED}=1, may change it)", lower_bound=1)
+  flags.DEFINE_list("kept", [str(e) for e in along.KEPT], "the kept epochs (registered: "
+                    "1,2,5,10; only a test run may change them)")
   flags.DEFINE_bool("power", False, "print the registered power computation from the "
                     "pilot's committed runs (study/along) and exit")
   flags.DEFINE_string("pilot", confirm.PILOT, "the pilot's published runs")
-  flags.DEFINE_float("fits", None, "the sitting's minutes left: run the registered "
-                     "bench and say whether a block fits by the registered start rule "
-                     "(exit 0: it does, 1: it does not)", lower_bound=0)
+  flags.DEFINE_bool("order", False, "print the registered order table and exit")
 
 
 FLAGS = flags.FLAGS
 
 
 def main(argv):
-  extra = argv[1:]     # everything after `--` goes to train.py (tests: a small model)
-  kept, seeds, publish = along.block_flags(FLAGS, "confirm")
-  if FLAGS.fits is not None:
-    return fits(FLAGS.fits)
+  extra = argv[1:]     # everything after `--` goes to train.py (test runs: a small model)
+  if FLAGS.train and confirm_run.checked():
+    registered = {"--epochs": (str(FLAGS.epochs), str(along.EPOCHS)),
+                  "--kept": (",".join(FLAGS.kept), ",".join(map(str, along.KEPT))),
+                  "-- (train.py's flags)": (" ".join(extra), "")}
+    for flag, (value, expected) in registered.items():
+      if value != expected:
+        sys.exit(f"confirm: error: {flag}={value}: the registration fixes "
+                 f"{expected or 'none'}")
+  try:
+    kept = along.parse_kept(FLAGS.kept, FLAGS.epochs)
+  except ValueError as e:
+    sys.exit(f"confirm: error: {e}")
+  if FLAGS.order:
+    print("\n".join(confirm.table_lines()))
+    return
   if FLAGS.power:
     try:
       found = along.collect(FLAGS.pilot, confirm.PILOT_SEEDS, kept)
@@ -50,38 +76,24 @@ def main(argv):
     except (ValueError, runs.RunError) as e:
       sys.exit(f"confirm: error: --pilot={FLAGS.pilot}: {e}")
     return
-  if seeds.start < confirm.SEEDS[0] or seeds.stop - 1 > confirm.SEEDS[-1]:
-    sys.exit(f"confirm: error: --first_seed={FLAGS.first_seed} --seeds={FLAGS.seeds}: "
-             f"the registered seeds are {confirm.SEEDS[0]} to {confirm.SEEDS[-1]}")
-  if not FLAGS.train and not os.path.isdir(FLAGS.out):
-    sys.exit(f"confirm: error: --out={FLAGS.out}: no such folder (expected the "
-             "protocol's runs, <variant>_seed<k>/)")
-  try:
-    if FLAGS.train:
-      along.run_blocks(FLAGS.out, seeds, confirm.PRECISION, FLAGS.epochs, kept, publish, extra)
-    text = confirm.report(FLAGS.out, kept, FLAGS.pilot, FLAGS.out)
-    if publish:    # every block published there, not only this command's
-      confirm.report(publish, kept, FLAGS.pilot, publish)
-  except runs.RunError as e:
-    sys.exit(f"confirm: error: {e}")
-  print(text)
-
-
-def fits(minutes_left):
-  """Runs the registered bench and applies the start rule (docs/confirm.md)."""
-  with tempfile.TemporaryDirectory() as tmp:
-    report = os.path.join(tmp, "bench.json")
-    rc = subprocess.call([sys.executable, "-m", "capsnet.bench", *confirm.START_BENCH,
-                          f"--json={report}"], cwd=grids.ROOT)
+  if not FLAGS.train:
+    if not os.path.isdir(FLAGS.out):
+      sys.exit(f"confirm: error: --out={FLAGS.out}: no such folder (expected the "
+               "protocol's runs, <variant>_seed<k>/)")
     try:
-      speed = confirm.bench_speed(runs.RunFolder(tmp).read_json("bench.json") or {})
-    except (ValueError, runs.RunError) as e:
-      sys.exit(f"confirm: error: the bench (exit {rc}): {e}")
-  need = confirm.block_minutes(speed)
-  verdict = "fits: start it" if need <= minutes_left else "does not fit: do not start it"
-  print(f"confirm: {speed:.1f} images/s: a block takes {need:.0f} min by the registered "
-        f"rule; {minutes_left:.0f} min left: {verdict}")
-  sys.exit(0 if need <= minutes_left else 1)
+      print(confirm.report(FLAGS.out, kept, FLAGS.pilot, FLAGS.out))
+    except (runs.RunError, confirm_run.ConfirmError) as e:
+      sys.exit(f"confirm: error: {e}")
+    return
+  settings = dict(confirm_run.SETTINGS, epochs=FLAGS.epochs, kept=kept)
+  try:
+    status = confirm_run.run_sequence(FLAGS.out, FLAGS.publish, settings, extra, FLAGS.runs,
+                                      FLAGS.restart)
+    if status == 0:
+      print(confirm.report(FLAGS.publish, kept, FLAGS.pilot, FLAGS.publish))
+  except (runs.RunError, confirm_run.ConfirmError, OSError) as e:
+    sys.exit(f"confirm: error: {e}")
+  sys.exit(status)
 
 
 if __name__ == "__main__":

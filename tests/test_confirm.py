@@ -5,8 +5,10 @@ run files, interim while blocks are missing, and its refusals."""
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -161,7 +163,8 @@ def fake_block(out, seed, errs, cpu_id="AuthenticAMD family 25 model 17"):
       json.dump(results, f)
     with open(os.path.join(folder, "host.json"), "w") as f:
       json.dump({"started": {"cpu": "AMD EPYC", "cpu_id": cpu_id, "flags": ["avx2"],
-                             "commit": "abc123def4567890"}, "resumed": []}, f)
+                             "commit": "abc123def4567890"}, "resumed": [],
+                 "attempts": [{"kind": "start"}], "outcome": "completed"}, f)
     with open(os.path.join(folder, "config.json"), "w") as f:
       json.dump({"model": {"precision": "fp32", "conv_plan": "conv1:conv2d,primary_caps:dft"},
                  "train": {"seed": seed}}, f)
@@ -184,8 +187,12 @@ def test_the_report_from_files_interim_then_final_and_the_same_bytes(tmp_path):
   proc = _confirm(f"--out={out}", f"--publish={out}", "--train=false")
   assert proc.returncode == 0, proc.stderr[-2000:]
   text = (out / "results.md").read_text()
-  assert text.splitlines()[0].endswith(": interim, 15 of 16 blocks, no call")
-  assert "No call: the rule judges sixteen blocks." in text and "called**" not in text
+  assert text.splitlines()[0].endswith(": interim, 45 of 48 runs, 15 of 16 blocks complete")
+  assert "Next due: r1_recon_seed20." in text
+  # progress only: no difference, no interval, no plot
+  assert "interval [" not in text and "+0." not in text and "-0." not in text
+  assert not (out / "confirm.png").exists()
+  assert json.loads((out / "results.json").read_text())["runs_done"] == 45
   fake_block(str(out), SEEDS[-1], errs)
   proc = _confirm(f"--out={out}", f"--publish={out}", "--train=false")
   assert proc.returncode == 0, proc.stderr[-2000:]
@@ -208,13 +215,15 @@ def test_the_report_from_files_interim_then_final_and_the_same_bytes(tmp_path):
 
 
 @pytest.mark.integration
-def test_seeds_outside_the_registration_refused_in_one_line(tmp_path):
-  proc = _confirm(f"--out={tmp_path}", "--first_seed=4")
-  assert proc.returncode == 1 and os.listdir(tmp_path) == []
-  assert proc.stderr.strip() == ("confirm: error: --first_seed=4 --seeds=1: the "
-                                 "registered seeds are 5 to 20")
-  proc = _confirm(f"--out={tmp_path}", "--first_seed=20", "--seeds=2")
-  assert proc.returncode == 1 and "the registered seeds are 5 to 20" in proc.stderr
+def test_flags_outside_the_registration_refused_in_one_line(tmp_path):
+  for args, line in (
+      (["--epochs=2"], "confirm: error: --epochs=2: the registration fixes 10"),
+      (["--kept=1,10"], "confirm: error: --kept=1,10: the registration fixes 1,2,5,10"),
+      (["--", "--batch_size=3"], "confirm: error: -- (train.py's flags)=--batch_size=3: "
+                                 "the registration fixes none")):
+    proc = _confirm(f"--out={tmp_path / 'out'}", f"--publish={tmp_path / 'pub'}", *args)
+    assert proc.returncode == 1 and proc.stderr.strip() == line
+  assert os.listdir(tmp_path) == []
   missing = tmp_path / "confrim"
   proc = _confirm(f"--out={missing}", "--train=false")
   assert proc.returncode == 1 and not missing.exists()
@@ -229,50 +238,58 @@ def test_power_command_prints_the_registered_computation():
   assert "registered n = 16: power 0.815 for 0.06 points" in proc.stdout
 
 
-def test_the_start_rule_is_the_registered_one():
-  """--fits applies docs/confirm.md's rule with its bench command: last
-  sitting's 213.0 images/s gave 191 minutes, too long for 180."""
-  page = " ".join(open(os.path.join(ROOT, "docs", "confirm.md")).read().split())
-  assert "python -m capsnet.bench " + " ".join(confirm.START_BENCH) in page
-  assert "1.4 x 1,650,000 images / (that speed) plus 10 minutes" in page
-  assert round(confirm.block_minutes(213.0), 1) == 190.8
-  assert round(confirm.block_minutes(1.4 * 1_650_000 / 60 / 150), 6) == 160
-  rows = [{"mode": "train", "precision": p, "variant": "ours", "conv": c,
-           "images_per_sec": speed}
-          for p, c, speed in (("bf16", "planned", 300.0), ("fp32", "dft", 250.0),
-                              ("fp32", "planned", 240.0))]
-  assert confirm.bench_speed({"results": rows}) == 240.0
-  with pytest.raises(ValueError, match="no fp32 planned training figure"):
-    confirm.bench_speed({"results": rows[:2]})
-
-
-@pytest.mark.slow
-def test_fits_runs_the_registered_bench_and_says_it_in_one_line():
-  proc = _confirm("--fits=100000")
-  assert proc.returncode == 0, proc.stderr[-2000:]
-  line = proc.stdout.strip().splitlines()[-1]
-  assert line.startswith("confirm: ") and line.endswith("fits: start it"), line
-  proc = _confirm("--fits=0")
-  assert proc.returncode == 1
-  assert proc.stdout.strip().splitlines()[-1].endswith("does not fit: do not start it")
-
-
 @pytest.mark.slow
 @needs_mnist
-def test_a_block_end_to_end_on_a_small_model(tmp_path):
-  """Block 5 of two epochs, kept at 1 and 2, on a small model: three fp32 runs,
-  each kept checkpoint scored on the test and affine sets, the small files
-  published, and an interim report of the published block."""
+def test_runs_end_to_end_on_a_small_model_stopped_and_resumed(tmp_path):
+  """The sequence's first two runs, two epochs kept at 1 and 2, on a small
+  model (a test run: CAPSNET_CONFIRM_UNCHECKED=1); the second stopped by one
+  SIGTERM while it trains (its part-way state published), then resumed by
+  the same command. Each kept checkpoint is scored on the test and affine
+  sets with the misclassified images' indices; the small files are published
+  as each run ends; the report shows progress only."""
   out, pub = tmp_path / "out", tmp_path / "pub"
-  proc = _confirm("--epochs=2", "--kept=1,2", f"--out={out}", f"--publish={pub}",
-                  "--", *SMALL, "--train_size=320")
+  env = dict(os.environ, CAPSNET_CONFIRM_UNCHECKED="1")
+  env.pop("TF_CPP_MIN_LOG_LEVEL", None)
+  def command(train_size, runs=1):
+    return [sys.executable, "-m", "capsnet.confirm", "--epochs=2", "--kept=1,2",
+            f"--out={out}", f"--publish={pub}", f"--runs={runs}", "--", *SMALL,
+            f"--train_size={train_size}"]
+  first, second = (confirm.run_name(*r) for r in confirm.sequence()[:2])
+  proc = subprocess.run(command(320), env=env, capture_output=True, text=True, cwd=ROOT,
+                        timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
-  for variant in along.VARIANTS:
-    name = along.run_name(variant, 5)
-    config = json.loads((out / name / "config.json").read_text())
-    assert config["model"]["precision"] == "fp32" and config["train"]["seed"] == 5
-    results = json.loads((out / name / along.RESULTS_FILE).read_text())
-    assert sorted(results) == ["1", "2"] and results["2"]["test"]["count"] == 10000
+  assert f"confirm: run 1 of 48, {first}: start" in proc.stdout
+  stopped = subprocess.Popen(command(32000), env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+  for _ in range(600):   # until it has saved a checkpoint
+    if (out / second / "latest").is_dir() or stopped.poll() is not None:
+      break
+    time.sleep(0.5)
+  stopped.send_signal(signal.SIGTERM)
+  said = stopped.communicate(timeout=300)[0]
+  assert stopped.returncode == 143, said[-3000:]
+  rows = confirm.partway_rows(str(pub))
+  assert [r["run"] for r in rows] == [second] and rows[0]["step"] > 0, rows
+  assert len(rows[0]["digest"]) == 64 and rows[0]["why"].startswith("stopped by SIGTERM")
+  assert not (pub / second).exists()
+  proc = subprocess.run(command(32000), env=env, capture_output=True, text=True, cwd=ROOT,
+                        timeout=900)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert f"confirm: run 2 of 48, {second}: resume" in proc.stdout
+  for name in (first, second):
     assert sorted(os.listdir(pub / name)) == sorted(along.SMALL_FILES)
-  assert (pub / "results.md").read_text().splitlines()[0].endswith(
-      ": interim, 1 of 16 blocks, no call")
+    record = json.loads((pub / name / "host.json").read_text())
+    assert record["outcome"] == "completed"
+    assert all(a["checked"] is False for a in record["attempts"])
+    results = json.loads((pub / name / along.RESULTS_FILE).read_text())
+    assert sorted(results) == ["1", "2"]
+    for split in ("test", "affine"):
+      scored = results["2"][split]
+      assert scored["count"] == 10000
+      assert len(scored["wrong"]) == round(scored["error_percent"] * 100)
+  kinds = [a["kind"] for a in json.loads((pub / second / "host.json").read_text())["attempts"]]
+  assert kinds == ["start", "resume"]
+  resumed = json.loads((pub / second / "host.json").read_text())["attempts"][1]
+  assert (resumed["from_step"], resumed["from_digest"]) == (rows[0]["step"], rows[0]["digest"])
+  text = (pub / "results.md").read_text()
+  assert text.splitlines()[0].endswith(": interim, 2 of 48 runs, 0 of 16 blocks complete")

@@ -10,6 +10,7 @@ import pytest
 from capsnet.science import along
 from capsnet.science import answer
 from capsnet.science import confirm
+from capsnet.science import confirm_run
 from capsnet.running import runs
 from conftest import ROOT
 
@@ -68,33 +69,28 @@ def test_along_report_is_the_committed_runs_report(tmp_path):
 
 def test_confirm_report_is_the_committed_runs_report(tmp_path):
   confirm.report(CONFIRM, along.KEPT, confirm.PILOT, str(tmp_path))
-  for name in ("results.md", "results.json", "confirm.png"):
+  final = json.loads((tmp_path / "results.json").read_text())["final"]
+  # while interim, progress only: no plot (docs/confirm.md)
+  assert os.path.exists(os.path.join(CONFIRM, "confirm.png")) == final
+  for name in ("results.md", "results.json") + (("confirm.png",) if final else ()):
     assert_same_file(str(tmp_path / name), os.path.join(CONFIRM, name), (
         f"study/confirm/{name} is stale: python -m capsnet.confirm --train=false "
         "--out=study/confirm"))
 
 
-def _registration_commit():
-  """The commit that added docs/confirm.md, or None without git's history."""
-  try:
-    out = subprocess.run(["git", "log", "--diff-filter=A", "--format=%H", "--",
-                          "docs/confirm.md"], cwd=ROOT, capture_output=True, text=True,
-                         check=True).stdout.split()
-  except (OSError, subprocess.CalledProcessError):
-    return None
-  return out[-1] if out else None
-
-
-def test_every_confirmatory_run_ran_fp32_from_the_registration_commit():
-  registered = _registration_commit()
+def test_every_confirmatory_attempt_ran_checked_fp32_from_the_registration_commit():
+  registered = confirm_run.registration_commit(ROOT)
   if registered is None:
-    pytest.skip("no git history of docs/confirm.md (a checkout without it)")
-  for name in sorted(os.listdir(CONFIRM)):
+    pytest.skip("no git history of docs/confirm.lock (a checkout without it)")
+  done, _ = confirm.progress(CONFIRM)
+  names = sorted(n for n in os.listdir(CONFIRM) if os.path.isdir(os.path.join(CONFIRM, n)))
+  assert names == sorted(confirm.run_name(*r) for r in done), "published runs out of turn"
+  for name in names:
     folder = runs.RunFolder(os.path.join(CONFIRM, name))
-    if not os.path.isdir(folder.path):
-      continue
-    started = folder.read_json(runs.HOST_FILE)["started"]
-    assert started["commit"] == registered, f"study/confirm/{name}: {started['commit']}"
+    attempts = folder.read_json(runs.HOST_FILE)["attempts"]
+    assert attempts, f"study/confirm/{name}: no attempt recorded"
+    for a in attempts:
+      assert (a["commit"], a["checked"]) == (registered, True), f"study/confirm/{name}: {a}"
     assert folder.config()["model"]["precision"] == "fp32", f"study/confirm/{name}"
 
 

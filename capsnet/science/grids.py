@@ -85,7 +85,7 @@ def run_one(spec, seed, folder, settings, extra):
   """Trains (or resumes) one run, its output in <folder>.log; exits on failure."""
   print(f"{os.path.basename(folder)}: training in {folder}", flush=True)
   os.makedirs(folder, exist_ok=True)
-  runs.RunFolder(folder).record_host(dict(host.describe(), commit=_commit()))
+  runs.RunFolder(folder).record_host(dict(host.describe(), commit=commit()))
   with open(folder + ".log", "a") as log:
     rc = subprocess.call(train_command(spec, seed, folder, settings, extra),
                          stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
@@ -94,7 +94,7 @@ def run_one(spec, seed, folder, settings, extra):
              f"see {folder}.log")
 
 
-def _commit():
+def commit():
   """The work tree's commit (with "+changes" if it differs), or None."""
   try:
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
@@ -127,14 +127,19 @@ def measure_routing(folder, iter_routing):
   return summary
 
 
+def eval_command(checkpoint, out_dir, *args):
+  """The eval.py command that scores `checkpoint` with `args` into `out_dir`."""
+  return [sys.executable, os.path.join(ROOT, "eval.py"), f"--checkpoint={checkpoint}",
+          *args, f"--out_dir={out_dir}", "--num_images=8", "--figure4_images=1"]
+
+
 def evaluate(checkpoint, out_dir, log_path, *args, program="study"):
   """eval.py on `checkpoint` (a run folder: its best checkpoint), with
   `args`, into `out_dir` (its output appended to `log_path`). Returns: the
   runs.EvalFolder. Exits if eval.py fails."""
-  cmd = [sys.executable, os.path.join(ROOT, "eval.py"), f"--checkpoint={checkpoint}",
-         *args, f"--out_dir={out_dir}", "--num_images=8", "--figure4_images=1"]
   with open(log_path, "a") as log:
-    rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    rc = subprocess.call(eval_command(checkpoint, out_dir, *args), stdout=log,
+                         stderr=subprocess.STDOUT, cwd=ROOT)
   if rc:
     sys.exit(f"{program}: error: eval.py {' '.join(args)} on {checkpoint} failed (exit {rc}); "
              f"see {log_path}")
