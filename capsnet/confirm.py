@@ -6,6 +6,7 @@ environment.
   python -m capsnet.confirm --train=false --out=study/confirm    # the report
   python -m capsnet.confirm --power                 # the registered power computation
   python -m capsnet.confirm --order                 # the registered order table
+  python -m capsnet.confirm --audit                 # the published runs against it
 
 Running resumes the part-way run where the page's rule allows, else restarts
 or starts the run due, and goes on through the sequence (--runs: how many to
@@ -22,6 +23,7 @@ from absl import flags
 from capsnet.running import runs
 from capsnet.science import along
 from capsnet.science import confirm
+from capsnet.science import confirm_audit
 from capsnet.science import confirm_run
 from capsnet.science import grids
 
@@ -46,6 +48,8 @@ def define_flags():
                     "pilot's committed runs (study/along) and exit")
   flags.DEFINE_string("pilot", confirm.PILOT, "the pilot's published runs")
   flags.DEFINE_bool("order", False, "print the registered order table and exit")
+  flags.DEFINE_bool("audit", False, "check the runs published in --publish against the "
+                    "registration; exit 1 naming each breach")
 
 
 FLAGS = flags.FLAGS
@@ -68,6 +72,8 @@ def main(argv):
   if FLAGS.order:
     print("\n".join(confirm.table_lines()))
     return
+  if FLAGS.audit:
+    return audit(FLAGS.publish)
   if FLAGS.power:
     try:
       found = along.collect(FLAGS.pilot, confirm.PILOT_SEEDS, kept)
@@ -94,6 +100,23 @@ def main(argv):
   except (runs.RunError, confirm_run.ConfirmError, OSError) as e:
     sys.exit(f"confirm: error: {e}")
   sys.exit(status)
+
+
+def audit(publish):
+  """--audit: one line a breach and exit 1, or one line saying what passed."""
+  registered = confirm_run.registration_commit(grids.ROOT)
+  if registered is None:
+    sys.exit(f"confirm: error: {grids.ROOT}: no git history that adds {confirm_run.LOCK}")
+  with open(os.path.join(grids.ROOT, "docs", "confirm.md")) as f:
+    page = f.read()
+  breaches = confirm_audit.audit(publish, registered, page)
+  for line in breaches:
+    print(f"confirm: audit: {line}", file=sys.stderr)
+  if breaches:
+    sys.exit(1)
+  done, _ = confirm.progress(publish)
+  print(f"confirm: audit: {len(done)} of {len(confirm.sequence())} runs published, in "
+        f"turn, each attempt checked at {registered[:12]}: no breach")
 
 
 if __name__ == "__main__":
