@@ -14,8 +14,8 @@ from capsnet.data import tasks
 from capsnet.model import fast_conv
 from capsnet.model import network
 from capsnet.running import cluster_spec
-from capsnet.running import schedule
 from capsnet.running import runs
+from capsnet.running import schedule
 
 DATASETS = sorted(tasks.TASKS)
 

@@ -20,6 +20,7 @@ import os
 import sys
 
 from capsnet.running import startup
+
 startup.import_tensorflow()   # before anything imports TensorFlow
 
 from absl import app  # noqa: E402
@@ -27,7 +28,6 @@ from absl import flags  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-import config  # noqa: E402
 from capsnet.data import affine  # noqa: E402
 from capsnet.data import tasks  # noqa: E402
 from capsnet.model import fast_conv  # noqa: E402
@@ -38,7 +38,7 @@ from capsnet.running import planner  # noqa: E402
 from capsnet.running import runs  # noqa: E402
 from capsnet.using import pictures  # noqa: E402
 from capsnet.using import serving  # noqa: E402
-
+import config  # noqa: E402
 
 flag = config.flag
 
@@ -262,7 +262,7 @@ def write_figure5(sess, ev, split, path, cases=6, scan=500):
                              ev.outputs.predictions]))
     except tf.errors.OutOfRangeError:
       break
-  inputs, recons, preds = (np.concatenate(p) for p in zip(*parts))
+  inputs, recons, preds = (np.concatenate(p) for p in zip(*parts, strict=True))
   labels = split[1][:scan]
   correct = (np.sort(preds, 1) == np.sort(labels, 1)).all(axis=1)
   picked = list(np.flatnonzero(correct)[:cases]) + list(np.flatnonzero(~correct)[:cases])
@@ -303,7 +303,8 @@ def print_report(result, out_dir):
         f"reconstruction {result['recon_loss_mean']:.5f})")
   print("routing, per iteration: mean entropy of c " + " ".join(
       f"{e:.4f}" for e in result["routing_entropy"])
-      + f" (uniform {result['routing_uniform_entropy']:.4f}), mean max c " + " ".join(f"{m:.4f}" for m in result["routing_max_c"]))
+      + f" (uniform {result['routing_uniform_entropy']:.4f}), mean max c "
+      + " ".join(f"{m:.4f}" for m in result["routing_max_c"]))
   if "at_least_one" in result:   # MultiMNIST
     print(f"both digits right: {result['accuracy']:.4f}, at least one right: "
           f"{result['at_least_one']:.4f}")

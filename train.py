@@ -20,6 +20,7 @@ import sys
 import time
 
 from capsnet.running import startup
+
 startup.import_tensorflow()   # before anything imports TensorFlow
 
 from absl import app  # noqa: E402
@@ -28,18 +29,18 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 import tqdm  # noqa: E402
 
-import config  # noqa: E402
 from capsnet.data import mnist  # noqa: E402
 from capsnet.model import network  # noqa: E402
 from capsnet.running import averaging  # noqa: E402
-from capsnet.running import evaluation  # noqa: E402
 from capsnet.running import cluster_spec  # noqa: E402
+from capsnet.running import evaluation  # noqa: E402
 from capsnet.running import planner  # noqa: E402
 from capsnet.running import recording  # noqa: E402
 from capsnet.running import roles  # noqa: E402
 from capsnet.running import run_state  # noqa: E402
 from capsnet.running import runs  # noqa: E402
 from capsnet.running import stopping  # noqa: E402
+import config  # noqa: E402
 
 config.define_train_flags()
 FLAGS = flags.FLAGS

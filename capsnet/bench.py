@@ -71,6 +71,7 @@ def tiled_digit_caps(u, out_caps, out_dim, num_iters, stop_gradient, official=Fa
   by tiling `v_j`. Logits per example and the stop as in ours; the signature,
   results and variable of `layers.digit_caps`, paper's layers only."""
   import tensorflow as tf
+
   from capsnet.model import routing
   if official:
     raise ValueError("the baseline DigitCaps has the paper's layers only")
@@ -112,6 +113,7 @@ def model(variant, cfg, images, labels, train):
   """(predictions, loss) of `variant`'s model; the baseline is ours with
   `tiled_digit_caps` and TensorFlow's convolutions."""
   import tensorflow as tf
+
   from capsnet.model import layers
   from capsnet.model import network
   from capsnet.model import routing
@@ -138,6 +140,7 @@ def _step_graph(variant, precision, mode, settings, conv="custom_grad"):
   default graph; `conv` "planned" plans (or reads the cache)."""
   import numpy as np
   import tensorflow as tf
+
   from capsnet.model import network
   from capsnet.running import planner
   cfg = network.ModelConfig(iter_routing=settings["iter_routing"], precision=precision,
@@ -343,6 +346,7 @@ def _measure_routing(settings, queue, repeats=7):
   `routing.dynamic_routing`, in turn; median ms."""
   tf = _child_tensorflow()
   import numpy as np
+
   from capsnet.model import network
   from capsnet.model import routing
   cfg = network.ModelConfig()
@@ -535,8 +539,9 @@ def summarize(rounds):
     if "ms" in first:   # layers: the median of each method's time
       merged["ms"] = {m: statistics.median(r["ms"][m] for r in same) for m in first["ms"]}
     results.append(merged)
-  medians = lambda field: {k: statistics.median(rnd[field][k] for rnd in rounds)
-                           for k in rounds[0][field]}
+  def medians(field):
+    return {k: statistics.median(rnd[field][k] for rnd in rounds)
+            for k in rounds[0][field]}
   busiest = max(r.get("busy_cores", 0.0) for r in rounds)
   return {"matmul_peak_gflops": medians("matmul_peak_gflops"),
           "bandwidth_gbs": statistics.median(r.get("bandwidth_gbs", 0) for r in rounds),

@@ -31,6 +31,7 @@ def ship(run, out):
   existing `out`."""
   import numpy as np
   import tensorflow as tf
+
   from capsnet.running import runs
   ckpt, run_dir = runs.resolve(run, "best")
   reason = runs.damage(ckpt)

@@ -6,6 +6,7 @@ docs/performance.md says what is counted and the figures of each host.
 Importing this module imports no TensorFlow.
 """
 import dataclasses
+import itertools
 
 PARTS = ("conv1", "primary_caps/transforms", "primary_caps/products", "u_hat",
          "routing", "decoder", "adam", "other")
@@ -119,7 +120,7 @@ def step_costs(cfg, batch, methods, itemsize=4, train=True):
   back = 0 if not train else 1 if cfg.stop_gradient or r == 1 else passes
   costs["routing"] = Cost(2 * u_hat * (passes + back), itemsize * u_hat * (passes + back))
   sizes = [o * d, *cfg.decoder_units, cfg.num_pixels] if cfg.use_decoder else []
-  weights = sum(a * b for a, b in zip(sizes, sizes[1:]))
+  weights = sum(a * b for a, b in itertools.pairwise(sizes))
   costs["decoder"] = Cost(dense * 2 * batch * weights, itemsize * dense * weights)
   params = (cfg.conv1_kernel ** 2 * cfg.image_channels * cfg.conv1_channels
             + cfg.primary_kernel ** 2 * cfg.conv1_channels * cfg.primary_types
@@ -145,7 +146,7 @@ def methods_of(cfg, device=None):
   """{layer: method} the model computes its convolutions with."""
   # Here, not at the top: fast_conv imports TensorFlow, and the benchmark
   # imports this module before its children import TensorFlow (`startup`).
-  from capsnet.model import fast_conv   # pylint: disable=import-outside-toplevel
+  from capsnet.model import fast_conv  # pylint: disable=import-outside-toplevel
   if cfg.conv_plan:
     return fast_conv.parse_plan(cfg.conv_plan)
   impl = fast_conv.resolve_impl(cfg.conv_impl, device)

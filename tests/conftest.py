@@ -31,6 +31,7 @@ os.environ["TF_NUM_INTEROP_THREADS"] = "2"
 os.environ["CAPSNET_ASSUME_IDLE"] = "1"
 
 from capsnet.running import startup  # noqa: E402
+
 startup.import_tensorflow()
 
 import pytest  # noqa: E402
@@ -103,8 +104,9 @@ def train_here(*args):
   """Runs train.py's `main` in this process with these flags: what `cli`
   does for train.py, without a new process's TensorFlow start-up (seconds
   each). Returns a CompletedProcess (exit status, stdout, stderr)."""
-  import train  # defines train.py's flags in absl's global FLAGS
   from absl import flags
+
+  import train  # defines train.py's flags in absl's global FLAGS
   flags.FLAGS.unparse_flags()
   flags.FLAGS(["train.py", *args])
   return _run_main("train.py", args, lambda: train.main(["train.py"]))
@@ -113,8 +115,9 @@ def train_here(*args):
 def eval_here(*args):
   """As `train_here`, for eval.py: its flags go in a FlagValues of their own,
   since train.py's (some of the same names) are in absl's global FLAGS."""
-  import eval as eval_py
   from absl import flags
+
+  import eval as eval_py
   fv = flags.FlagValues()
   eval_py.define_flags(fv)
   argv = fv(["eval.py", *args])
@@ -152,7 +155,7 @@ def wait_until(condition, timeout=120, poll=0.05, proc=None):
 
 
 def last_line(proc):
-  lines = [l for l in proc.stderr.strip().splitlines() if l.strip()]
+  lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
   return lines[-1] if lines else ""
 
 
@@ -206,7 +209,7 @@ def trained_stdout(logdir):
 
 def rows(logdir, name="metrics.jsonl"):
   with open(os.path.join(logdir, name)) as f:
-    return [json.loads(l) for l in f if l.strip()]
+    return [json.loads(line) for line in f if line.strip()]
 
 
 def listed(folder):
@@ -225,8 +228,9 @@ def small_disk(tmp_path):
   if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(folder)],
                     capture_output=True).returncode:
     pytest.skip("cannot mount a tmpfs here")
-  remount = lambda opts: subprocess.run(
-      ["mount", "-o", f"remount,{opts}", str(folder)], check=True)
+  def remount(opts):
+    return subprocess.run(
+        ["mount", "-o", f"remount,{opts}", str(folder)], check=True)
   yield folder, remount
   subprocess.run(["umount", str(folder)], check=True)   # fails if a file is left open
 
@@ -254,6 +258,7 @@ def weights_sha256(ckpt):
   """sha256 over a checkpoint's model variables (capsnet/, no Adam slots, no
   moving averages), in name order: the end-to-end regression value."""
   import hashlib
+
   import numpy as np
   reader = tf.train.load_checkpoint(ckpt)
   digest = hashlib.sha256()

@@ -9,7 +9,11 @@ import pytest
 
 from capsnet.data import affine
 from capsnet.data import mnist
-from conftest import MNIST, THREE_EPOCHS, eval_here, last_line, needs_mnist
+from conftest import MNIST
+from conftest import THREE_EPOCHS
+from conftest import eval_here
+from conftest import last_line
+from conftest import needs_mnist
 
 
 def _digits(n=6, seed=0):
@@ -40,7 +44,7 @@ def test_forward_matrix_and_the_op_agree_on_where_the_ink_goes():
   images = _digits(6)
   params = affine.draw(images)
   out = affine.apply(images, params)
-  for image, moved, p in zip(images, out, params):
+  for image, moved, p in zip(images, out, params, strict=True):
     ys, xs = np.nonzero(moved[..., 0] > 100)
     centre = affine.forward_matrix(p) @ np.array([*np.argwhere(image[..., 0].T)
                                                   .mean(0), 1.0])
@@ -56,7 +60,7 @@ def test_draws_are_deterministic_in_range_and_keep_the_ink_in_the_frame():
   assert (np.abs(a[:, 0]) <= np.deg2rad(r.rotation_deg)).all()
   assert (np.abs(a[:, 1]) <= r.shear).all() and (np.abs(a[:, 4:]) <= r.shift).all()
   assert ((a[:, 2:4] >= r.scale_low) & (a[:, 2:4] <= r.scale_high)).all()
-  for image, p in zip(images, a):
+  for image, p in zip(images, a, strict=True):
     assert affine.fits(p, affine.ink_box(image))
   out = affine.apply(images, a)
   assert affine.md5(out) == affine.md5(affine.apply(images, a))

@@ -13,7 +13,9 @@ import pytest
 
 from capsnet.science import along
 from capsnet.science import stats
-from conftest import ROOT, SMALL, needs_mnist
+from conftest import ROOT
+from conftest import SMALL
+from conftest import needs_mnist
 
 KEPT = along.KEPT
 # The stop pair's margin-loss difference (nostop - stop) by registered epoch:

@@ -7,12 +7,12 @@ import subprocess
 import sys
 
 import pytest
+from test_along import blocks  # noqa: F401 (a fixture)
 
 from capsnet.science import along
 from capsnet.science import answer
 from capsnet.science import stats
 from conftest import ROOT
-from test_along import blocks  # noqa: F401 (a fixture)
 
 # Test margin loss by (variant, seed) of a fake grid; nostop lower in every seed.
 MARGIN = {"r1_recon": [0.020, 0.021, 0.022], "r3_recon": [0.0201, 0.0212, 0.0219],

@@ -3,15 +3,20 @@ average's update, the choice of weights by validation, and its readers."""
 import json
 import os
 
-import numpy as np
 from absl import flags
+import numpy as np
 import pytest
 import tensorflow as tf
 
 from capsnet import pretrained
 from capsnet.running import runs
-from conftest import (FLOAT64_WEIGHTS_SHA256, QUICK, eval_here, last_line, needs_mnist,
-                      train_here, weights_sha256)
+from conftest import FLOAT64_WEIGHTS_SHA256
+from conftest import QUICK
+from conftest import eval_here
+from conftest import last_line
+from conftest import needs_mnist
+from conftest import train_here
+from conftest import weights_sha256
 
 
 def _model_tensors(ckpt, suffix=""):
@@ -29,7 +34,8 @@ def test_weight_averaging(tmp_path):
   proc = train_here(*QUICK, "--dtype=float64", "--max_steps=12", "--save_every=11",
                     "--ema_decay=0.5", f"--logdir={averaged}")
   assert proc.returncode == 0, proc.stderr[-3000:]
-  latest = lambda d, step: os.path.join(d, "latest", f"model.ckpt-{step}")
+  def latest(d, step):
+    return os.path.join(d, "latest", f"model.ckpt-{step}")
   # The raw weights are the regression run's, bit for bit: its recorded sha256.
   assert weights_sha256(latest(averaged, 12)) == FLOAT64_WEIGHTS_SHA256
   raw = _model_tensors(latest(averaged, 12))
@@ -45,7 +51,7 @@ def test_weight_averaging(tmp_path):
                                rtol=1e-12, err_msg=name)
     assert not np.array_equal(after[name], raw[name])
   # Validation scores both; the best checkpoint is the better of the two.
-  rows = [json.loads(l) for l in open(os.path.join(averaged, "metrics.jsonl"))]
+  rows = [json.loads(line) for line in open(os.path.join(averaged, "metrics.jsonl"))]
   assert [r["step"] for r in rows] == [10]
   for r in rows:
     assert {"val_error_percent", "val_error_percent_averaged", "val_loss_averaged",

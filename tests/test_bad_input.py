@@ -9,10 +9,14 @@ import sys
 
 import pytest
 
-import config
 from capsnet.model import network
 from capsnet.running import runs
-from conftest import QUICK, ROOT, last_line, needs_mnist, train_here
+import config
+from conftest import QUICK
+from conftest import ROOT
+from conftest import last_line
+from conftest import needs_mnist
+from conftest import train_here
 
 
 @pytest.mark.integration
@@ -109,8 +113,9 @@ def test_image_size_the_data_does_not_have_leaves_nothing(tmp_path):
 def test_each_settings_field_made_by_flag_is_one_flag_with_its_bounds():
   """config.Settings' and eval.py's Settings' fields made by config.flag are
   their programs' flags (one list), with their kinds, defaults and bounds."""
-  import eval as eval_py
   from absl import flags
+
+  import eval as eval_py
   fv = flags.FlagValues()
   config.define_flags_of(config.Settings, fv)
   made = {f.name for f in dataclasses.fields(config.Settings) if "flag" in f.metadata}

@@ -56,7 +56,7 @@ def test_tiled_baseline_computes_the_same_capsules(tiny_cfg, iters, stop):
       grad = tf.gradients(tf.reduce_sum(v * np.arange(v.shape[-1])), [w, u])
       out[variant] = sess.run([v, u_hat, *couplings, *grad])
   assert len(out["ours"]) == 4 + iters
-  for a, b in zip(out["ours"], out["tiled"]):
+  for a, b in zip(out["ours"], out["tiled"], strict=True):
     np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
 
 
@@ -152,8 +152,8 @@ def test_cli_small_run_writes_json(tmp_path):
   assert "median of 1 round(s)" in proc.stdout
   # The children start quietly, as train.py and eval.py do: no TensorFlow
   # C++ notices (I0000/W0000/E0000 lines, "WARNING: All log messages...").
-  noise = [l for l in proc.stderr.splitlines()
-           if l[:5] in ("I0000", "W0000", "E0000") or l.startswith("WARNING: All log")]
+  noise = [line for line in proc.stderr.splitlines()
+           if line[:5] in ("I0000", "W0000", "E0000") or line.startswith("WARNING: All log")]
   assert not noise, noise[:3]
 
 

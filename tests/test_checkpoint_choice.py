@@ -8,11 +8,14 @@ import os
 import numpy as np
 import pytest
 
-import config
 from capsnet.running import recording
 from capsnet.running import run_state
 from capsnet.running import runs
-from conftest import QUICK, needs_mnist, train_here, weights_sha256
+import config
+from conftest import QUICK
+from conftest import needs_mnist
+from conftest import train_here
+from conftest import weights_sha256
 
 
 def test_is_better_accuracy_then_loss_then_the_later():
@@ -71,8 +74,8 @@ def test_validate_keeps_the_best_by_the_tie_rule(monkeypatch, averaging):
 def test_averaged_weights_win_a_tie_only_by_a_lower_loss(monkeypatch):
   figures = iter([(0.9, 0.5), (0.9, 0.5),      # tied: the raw weights
                   (0.92, 0.5), (0.92, 0.4)])   # same accuracy, lower loss: averaged
-  monkeypatch.setattr(recording.evaluation, "run", lambda s, g, i, l: dict(
-      zip(("accuracy", "loss"), next(figures)), error_percent=0.0))
+  monkeypatch.setattr(recording.evaluation, "run", lambda s, g, i, line: dict(
+      zip(("accuracy", "loss"), next(figures), strict=True), error_percent=0.0))
   monkeypatch.setattr(recording, "save", lambda run, which, pos: None)
   monkeypatch.setattr(recording, "add_scalars", lambda *a: None)
   run = FakeRun(None, FakeGraph("raw", "averaged"),

@@ -7,7 +7,12 @@ import subprocess
 import pytest
 import tensorflow as tf
 
-from conftest import SMALL, cli, eval_here, needs_mnist, start, wait_until
+from conftest import SMALL
+from conftest import cli
+from conftest import eval_here
+from conftest import needs_mnist
+from conftest import start
+from conftest import wait_until
 
 
 @pytest.mark.integration

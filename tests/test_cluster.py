@@ -15,8 +15,15 @@ import tensorflow as tf
 
 from capsnet import cluster
 from capsnet.running import cluster_spec
-from conftest import (ROOT, SMALL, cli, eval_here, last_line, latest_step, needs_mnist,
-                      train_here, wait_until)
+from conftest import ROOT
+from conftest import SMALL
+from conftest import cli
+from conftest import eval_here
+from conftest import last_line
+from conftest import latest_step
+from conftest import needs_mnist
+from conftest import train_here
+from conftest import wait_until
 
 # 320 training images: with 2 workers x 16 a step, 10 steps an epoch.
 ARGS = [*SMALL[:5], "--val_size=500", "--eval_batch_size=300", "--progress=false",
@@ -54,7 +61,8 @@ def test_two_synchronous_workers_average_as_one_process_with_twice_the_batch(
   single = str(tmp_path / "single")
   done = train_here(*ARGS, "--batch_size=32", "--epochs=1", f"--logdir={single}")
   assert done.returncode == 0, done.stderr[-3000:]
-  ckpt = lambda d: tf.train.latest_checkpoint(os.path.join(d, "latest"))
+  def ckpt(d):
+    return tf.train.latest_checkpoint(os.path.join(d, "latest"))
   assert ckpt(logdir).endswith("-10") and ckpt(single).endswith("-10")
   ours, theirs = model_weights(ckpt(logdir)), model_weights(ckpt(single))
   assert sorted(ours) == sorted(theirs) and len(ours) == 9
@@ -64,7 +72,7 @@ def test_two_synchronous_workers_average_as_one_process_with_twice_the_batch(
   assert any(not np.array_equal(ours[n], theirs[n]) for n in ours)   # two processes
   saved = json.load(open(os.path.join(logdir, "config.json")))["train"]
   assert (saved["workers"], saved["sync"], saved["batch_size"]) == (2, True, 16)
-  rows = [json.loads(l) for l in open(os.path.join(logdir, "metrics.jsonl"))]
+  rows = [json.loads(line) for line in open(os.path.join(logdir, "metrics.jsonl"))]
   assert [(r["epoch"], r["step"]) for r in rows] == [(1, 10)]
   assert re.match(r"cluster: 1 ps, 2 worker\(s\) on 127\.0\.0\.1 ports", proc.stdout)
 
@@ -305,8 +313,9 @@ def test_waiting_for_an_update_ends_when_the_watch_names_a_lost_worker():
   lost worker is never applied; the wait returns the watch's name for it
   (the chief then names it, `roles`), and times out without one."""
   import types
-  from capsnet.running import distributed
+
   from capsnet.running import cluster_spec as spec
+  from capsnet.running import distributed
   sess = types.SimpleNamespace(run=lambda _: 5)      # the global step stays at 5
   watch = types.SimpleNamespace(lost=None)
   assert distributed.wait_for_global_step(sess, None, 5, watch) is None   # applied

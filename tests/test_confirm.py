@@ -13,11 +13,13 @@ import time
 import numpy as np
 import pytest
 
+from capsnet.running import host
 from capsnet.science import along
 from capsnet.science import confirm
-from capsnet.running import host
 from capsnet.science import stats
-from conftest import ROOT, SMALL, needs_mnist
+from conftest import ROOT
+from conftest import SMALL
+from conftest import needs_mnist
 
 KEPT = along.KEPT
 SEEDS = confirm.SEEDS

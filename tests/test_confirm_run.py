@@ -1,10 +1,10 @@
 """The confirmatory sequence's runner (capsnet/science/confirm_run.py): the
 registered order, the code and environment checks, the rule that resumes or
 restarts a run, and turns; in-process, on made-up folders."""
+from collections import Counter
 import json
 import os
 import subprocess
-from collections import Counter
 
 import pytest
 

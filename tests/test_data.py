@@ -16,7 +16,8 @@ import tensorflow as tf
 
 from capsnet.data import mnist
 from capsnet.data import tasks
-from conftest import ROOT, needs_mnist
+from conftest import ROOT
+from conftest import needs_mnist
 
 
 def write_idx(path, array, magic=None):
@@ -125,7 +126,8 @@ def test_header_size_mismatch(tmp_path):
   path = str(tmp_path / "x.gz")
   with gzip.open(path, "wb") as f:
     f.write(struct.pack(">IIII", 2051, 3, 2, 2) + bytes(11))
-  with pytest.raises(mnist.DataError, match=r"x\.gz: header says 3x2x2 = 12 bytes of data, file has 11"):
+  with pytest.raises(mnist.DataError,
+                     match=r"x\.gz: header says 3x2x2 = 12 bytes of data, file has 11"):
     mnist.read_idx(path, mnist.IMAGE_MAGIC)
 
 
@@ -244,7 +246,7 @@ def test_augmentation_is_an_exact_shift_of_at_most_two_pixels():
   y = np.concatenate([b[1] for b in batches])
   np.testing.assert_array_equal(y, labels)
   seen = set()
-  for src, aug in zip(images[..., 0] / 255.0, x[..., 0]):
+  for src, aug in zip(images[..., 0] / 255.0, x[..., 0], strict=True):
     matches = []
     for dy in range(-2, 3):
       for dx in range(-2, 3):
@@ -326,4 +328,5 @@ def test_shards_of_a_batch_shift_as_the_whole_batch_does():
                                   whole[k][0])
     np.testing.assert_array_equal(np.concatenate([halves[0][k][1], halves[1][k][1]]),
                                   whole[k][1])
-  np.testing.assert_array_equal(mnist.shard_order(order, 4, 1, 2), order[[4, 5, 6, 7, 12, 13, 14, 15]])
+  np.testing.assert_array_equal(mnist.shard_order(order, 4, 1, 2),
+                                order[[4, 5, 6, 7, 12, 13, 14, 15]])

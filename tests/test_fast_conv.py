@@ -40,7 +40,7 @@ def test_method_equals_conv2d_in_value_and_gradients(method, shape, relu):
   h, w, kernel, stride = shape
   assert ours[0].shape == (5, (h - kernel) // stride + 1, (w - kernel) // stride + 1, 4)
   assert (theirs[0] == 0).any() == relu          # the ReLU does cut
-  for name, a, b in zip(("value", "dx", "dw", "dbias"), theirs, ours):
+  for name, a, b in zip(("value", "dx", "dw", "dbias"), theirs, ours, strict=True):
     assert np.abs(a).max() > 0, name
     np.testing.assert_allclose(b, a, rtol=1e-10, atol=1e-12, err_msg=name)
 
@@ -52,8 +52,9 @@ def test_folded_method_in_bfloat16_is_close_to_conv2d():
   exact = _run("conv2d", 20, 20, 9, 2, False, channels=8)
   ours = _run("folded", 20, 20, 9, 2, False, channels=8, dtype=bf16)
   theirs = _run("conv2d", 20, 20, 9, 2, False, channels=8, dtype=bf16)
-  for name, a, b, c in zip(("value", "dx", "dw", "dbias"), exact, ours, theirs):
-    err = lambda t: np.linalg.norm(np.asarray(t, np.float64) - a) / np.linalg.norm(a)
+  for name, a, b, c in zip(("value", "dx", "dw", "dbias"), exact, ours, theirs, strict=True):
+    def err(t, a=a):
+      return np.linalg.norm(np.asarray(t, np.float64) - a) / np.linalg.norm(a)
     assert err(b) < max(2 * err(c), 1e-2), (name, err(b), err(c))
 
 
@@ -62,7 +63,7 @@ def test_dft_method_on_the_paper_primary_caps_shape_is_exact():
   of size 19 reads input positions 0..18 only and nothing wraps round."""
   theirs = _run("conv2d", 20, 20, 9, 2, False, channels=6)
   ours = _run("dft", 20, 20, 9, 2, False, channels=6)
-  for name, a, b in zip(("value", "dx", "dw", "dbias"), theirs, ours):
+  for name, a, b in zip(("value", "dx", "dw", "dbias"), theirs, ours, strict=True):
     np.testing.assert_allclose(b, a, rtol=1e-10, atol=1e-12, err_msg=name)
   assert np.abs(ours[1][:, 19]).max() == 0 and np.abs(ours[1][:, :, 19]).max() == 0
 
@@ -78,8 +79,9 @@ def test_dft_method_in_lower_precision_is_close_to_float64(dtype, bound):
   exact = _run("conv2d", 20, 20, 9, 2, False, channels=16)
   ours = _run("dft", 20, 20, 9, 2, False, channels=16, dtype=dtype)
   theirs = _run("conv2d", 20, 20, 9, 2, False, channels=16, dtype=dtype)
-  for name, a, b, c in zip(("value", "dx", "dw", "dbias"), exact, ours, theirs):
-    err = lambda t: np.linalg.norm(np.asarray(t, np.float64) - a) / np.linalg.norm(a)
+  for name, a, b, c in zip(("value", "dx", "dw", "dbias"), exact, ours, theirs, strict=True):
+    def err(t, a=a):
+      return np.linalg.norm(np.asarray(t, np.float64) - a) / np.linalg.norm(a)
     assert err(b) < bound, (name, err(b))
     assert err(b) < max(2 * err(c), 1e-6), (name, err(b), err(c))
 

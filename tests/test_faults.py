@@ -10,7 +10,13 @@ import pytest
 import tensorflow as tf
 
 from capsnet.running import runs
-from conftest import QUICK, eval_here, last_line, listed, needs_mnist, rows, train_here
+from conftest import QUICK
+from conftest import eval_here
+from conftest import last_line
+from conftest import listed
+from conftest import needs_mnist
+from conftest import rows
+from conftest import train_here
 
 
 @pytest.fixture(scope="module")
@@ -56,8 +62,8 @@ def test_damaged_newest_checkpoint_falls_back_to_an_intact_one(quick_run, tmp_pa
   proc = train_here(*QUICK, f"--logdir={logdir}", "--epochs=2")
   assert proc.returncode == 0, proc.stderr[-3000:]
   out = proc.stdout.splitlines()
-  assert any(re.fullmatch(rf"{latest}/model\.ckpt-20: damaged \(.+\); passed over", l)
-             for l in out), out
+  assert any(re.fullmatch(rf"{latest}/model\.ckpt-20: damaged \(.+\); passed over", line)
+             for line in out), out
   # The newest intact one: latest's 15, or best's if that is newer.
   best = listed(os.path.join(logdir, "best"))[-1]
   expected = best if runs.step_of(best) > 15 else f"{latest}/model.ckpt-15"

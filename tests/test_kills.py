@@ -15,8 +15,19 @@ import tensorflow as tf
 
 from capsnet.running import runs
 from capsnet.running import stopping
-from conftest import (QUICK, THREE_EPOCHS, TIMING, last_line, latest_step, listed,
-                      needs_mnist, rows, start, train_here, wait_until, weights_sha256)
+from conftest import QUICK
+from conftest import THREE_EPOCHS
+from conftest import TIMING
+from conftest import last_line
+from conftest import latest_step
+from conftest import listed
+from conftest import needs_mnist
+from conftest import rows
+from conftest import start
+from conftest import train_here
+from conftest import wait_until
+from conftest import weights_sha256
+
 
 @needs_mnist
 def test_full_disk_while_saving_ends_in_one_line_and_listed_checkpoints_load(small_disk):
@@ -86,7 +97,7 @@ def test_sigkill_at_random_moments_changes_nothing(tmp_path, trained_once):
                  poll=0.001, proc=proc)
     else:              # a few steps on, at a random moment of a step
       target = start_step + rng.randint(2, 5)
-      wait_until(lambda: latest_step(logdir) >= target, poll=0.001, proc=proc)
+      wait_until(lambda target=target: latest_step(logdir) >= target, poll=0.001, proc=proc)
     time.sleep(0 if attempt == 0 else rng.uniform(0.0, 0.05))
     if proc.poll() is None:
       proc.kill()
@@ -95,13 +106,16 @@ def test_sigkill_at_random_moments_changes_nothing(tmp_path, trained_once):
   assert kills >= 3
   proc = train_here(*args, f"--logdir={logdir}")
   assert proc.returncode == 0, proc.stderr[-3000:]
-  ckpt = lambda d: tf.train.latest_checkpoint(os.path.join(d, "latest"))
+  def ckpt(d):
+    return tf.train.latest_checkpoint(os.path.join(d, "latest"))
   assert ckpt(logdir).endswith("-30") and ckpt(reference).endswith("-30")
   assert weights_sha256(ckpt(logdir)) == weights_sha256(ckpt(reference))
-  strip = lambda rs: [{k: v for k, v in r.items() if k not in TIMING} for r in rs]
+  def strip(rs):
+    return [{k: v for k, v in r.items() if k not in TIMING} for r in rs]
   assert strip(rows(logdir)) == strip(rows(reference))
-  test = lambda d: json.load(open(os.path.join(d, "test_results.json")))
-  assert os.path.basename(test(logdir)["checkpoint"]) == os.path.basename(
-      test(reference)["checkpoint"]), (rows(logdir), rows(reference))
-  assert test(logdir)["accuracy"] == test(reference)["accuracy"]
-  np.testing.assert_equal(test(logdir)["confusion"], test(reference)["confusion"])
+  def tested(d):
+    return json.load(open(os.path.join(d, "test_results.json")))
+  assert os.path.basename(tested(logdir)["checkpoint"]) == os.path.basename(
+      tested(reference)["checkpoint"]), (rows(logdir), rows(reference))
+  assert tested(logdir)["accuracy"] == tested(reference)["accuracy"]
+  np.testing.assert_equal(tested(logdir)["confusion"], tested(reference)["confusion"])

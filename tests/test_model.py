@@ -141,19 +141,19 @@ def test_custom_grad_convolution_equals_conv2d(size, kernel, stride):
   w0 = rng.randn(kernel, kernel, 3, 4)
   up = rng.randn(2, out, out, 4)
   outs = {}
-  for impl in ("conv2d", impl):
+  for method in ("conv2d", impl):
     with tf.Graph().as_default(), tf.compat.v1.Session() as sess:
       xt = tf.constant(x)
       with tf.compat.v1.variable_scope("c"):
-        y = layers._conv(xt, kernel, 4, stride, None, impl)
+        y = layers._conv(xt, kernel, 4, stride, None, method)
       w = tf.compat.v1.global_variables()[0]
       w.load(w0, sess)
       sess.run(tf.compat.v1.global_variables()[1].initializer)
       gx, gw = tf.gradients(y, [xt, w], grad_ys=tf.constant(up))
-      outs[impl] = sess.run([y, gx, gw])
+      outs[method] = sess.run([y, gx, gw])
   assert outs[impl][0].shape == (2, out, out, 4)
   assert np.abs(outs["conv2d"][1]).max() > 0
-  for a, b in zip(outs["conv2d"], outs[impl]):
+  for a, b in zip(outs["conv2d"], outs[impl], strict=True):
     np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
 
 
@@ -301,7 +301,7 @@ def test_tower_gradients_are_averaged_in_tower_order():
     var = tf.Variable(np.zeros((4, 3)))
     fed = [tf.compat.v1.placeholder(tf.float64, [4, 3]) for _ in grads]
     ((mean, got_var),) = network.average_gradients([[(g, var)] for g in fed])
-    value, nodes = run_and_list_nodes(sess, mean, dict(zip(fed, grads)))
+    value, nodes = run_and_list_nodes(sess, mean, dict(zip(fed, grads, strict=True)))
   assert got_var is var
   # (Grappler turns the division by 3 into a product with 1/3.)
   np.testing.assert_array_equal(value, ((grads[0] + grads[1]) + grads[2]) * (1.0 / 3.0))

@@ -10,7 +10,10 @@ import tensorflow as tf
 from capsnet.data import multimnist
 from capsnet.model import losses
 from capsnet.model import network
-from conftest import SMALL, eval_here, needs_mnist, train_here
+from conftest import SMALL
+from conftest import eval_here
+from conftest import needs_mnist
+from conftest import train_here
 
 
 def _digits(n=60, seed=0):
@@ -28,7 +31,7 @@ def test_fixed_pairs_cover_every_digit_with_another_class():
   assert shifts.shape == (len(labels), 2, 2)
   assert shifts.min() >= -4 and shifts.max() <= 4 and len(np.unique(shifts)) == 9
   again = multimnist.fixed_pairs(labels, seed=3)
-  for a, b in zip((first, second, shifts), again):
+  for a, b in zip((first, second, shifts), again, strict=True):
     np.testing.assert_array_equal(a, b)
   other = multimnist.fixed_pairs(labels, seed=4)
   assert not np.array_equal(other[1], second)
@@ -78,7 +81,7 @@ def test_training_pairs_in_tensorflow():
     merged, pair_labels, targets = sess.run(out, {seed: [7, 0]})
     again = sess.run(out, {seed: [7, 0]})
     other = sess.run(out, {seed: [7, 1]})
-  for a, b in zip((merged, pair_labels, targets), again):
+  for a, b in zip((merged, pair_labels, targets), again, strict=True):
     np.testing.assert_array_equal(a, b)
   assert not np.array_equal(other[2], targets)
   np.testing.assert_array_equal(pair_labels[:, 0], labels[first])

@@ -6,15 +6,19 @@ import subprocess
 import sys
 
 import pytest
+import tensorflow as tf
 
 from capsnet.model import fast_conv
 from capsnet.model import network
 from capsnet.running import planner
 from capsnet.running import runs
-from conftest import (QUICK, ROOT, THREE_EPOCHS, eval_here, needs_mnist, train_here,
-                      weights_sha256)
-
-import tensorflow as tf
+from conftest import QUICK
+from conftest import ROOT
+from conftest import THREE_EPOCHS
+from conftest import eval_here
+from conftest import needs_mnist
+from conftest import train_here
+from conftest import weights_sha256
 
 SMALL_CFG = network.ModelConfig(conv1_channels=8, primary_types=2, primary_dim=4)
 # The model of conftest.SMALL's flags (the runs train_here and eval_here make).
@@ -120,8 +124,9 @@ def test_gpu_plans_conv2d_without_timing(tmp_path):
 def test_what_is_planned_and_what_is_kept(tmp_path):
   path = str(tmp_path / "p.json")
   timer = fake_timer({"conv1": "patch_gemm", "primary_caps": "dft"})
-  plan = lambda cfg, **kw: planner.plan_model(cfg, 32, path=path, timer=timer,
-                                              log=lambda _: None, **kw)[0]
+  def plan(cfg, **kw):
+    return planner.plan_model(cfg, 32, path=path, timer=timer,
+                              log=lambda _: None, **kw)[0]
   assert plan(SMALL_CFG).conv_plan == "conv1:patch_gemm,primary_caps:dft"
   for forced in (dataclasses.replace(SMALL_CFG, conv_impl="conv2d"),
                  dataclasses.replace(SMALL_CFG, dtype="float64"),
@@ -149,8 +154,9 @@ def test_precision_auto_takes_the_faster_and_bf16_slower_is_said(tmp_path):
   assert lines == ["planner: bf16 is slower than fp32 on this CPU (6 against 2 ms a "
                    "batch of 32 in the planned convolutions; no AMX?): "
                    "--precision=fp32 or auto would train faster"]
-  fast_bf16 = lambda conv, methods, dtype, training, give_up=None: {
-      m: 0.001 if dtype == "bfloat16" else 0.003 for m in methods}
+  def fast_bf16(conv, methods, dtype, training, give_up=None):
+    return {
+        m: 0.001 if dtype == "bfloat16" else 0.003 for m in methods}
   cfg, _ = planner.plan_model(SMALL_CFG, 32, path=str(tmp_path / "q.json"),
                               precision_auto=True, timer=fast_bf16, log=lines.append)
   assert cfg.precision == "bf16"
@@ -161,8 +167,9 @@ def test_inference_is_planned_for_the_forward_alone(tmp_path):
   a forced method and float64 are kept."""
   calls = []
   timer = fake_timer({"conv1": "conv2d", "primary_caps": "dft"}, calls)
-  plan = lambda cfg: planner.plan_inference(cfg, 500, path=str(tmp_path / "p.json"),
-                                            timer=timer, log=lambda _: None)
+  def plan(cfg):
+    return planner.plan_inference(cfg, 500, path=str(tmp_path / "p.json"),
+                                  timer=timer, log=lambda _: None)
   trained = dataclasses.replace(SMALL_CFG, conv_plan="conv1:patch_gemm,primary_caps:folded")
   cfg, line = plan(trained)
   assert cfg == dataclasses.replace(trained, conv_plan="conv1:conv2d,primary_caps:dft")
@@ -241,7 +248,8 @@ def test_resume_after_a_replanned_cache_continues_bit_for_bit(tmp_path, monkeypa
   proc = train_here(*flags, "--max_steps=12", f"--logdir={whole}",
                     f"--conv_plan={recorded['conv_plan']}")
   assert proc.returncode == 0, proc.stderr[-3000:]
-  latest = lambda d: tf.train.latest_checkpoint(os.path.join(d, "latest"))
+  def latest(d):
+    return tf.train.latest_checkpoint(os.path.join(d, "latest"))
   assert latest(stopped).endswith("-12") and latest(whole).endswith("-12")
   assert weights_sha256(latest(stopped)) == weights_sha256(latest(whole))
   # --replan measures again (here: reads the changed cache) and records it.
@@ -310,9 +318,10 @@ def test_the_planner_program_imports_tensorflow_as_the_trainer_does():
 @pytest.mark.integration
 def test_the_planner_program_plans_and_refuses_a_bad_value_in_one_line(tmp_path):
   env = dict(os.environ, CAPSNET_CACHE_DIR=str(tmp_path))
-  run = lambda *flags: subprocess.run(
-      [sys.executable, "-m", "capsnet.running.planner", *flags], capture_output=True,
-      text=True, cwd=ROOT, env=env, timeout=600)
+  def run(*flags):
+    return subprocess.run(
+        [sys.executable, "-m", "capsnet.running.planner", *flags], capture_output=True,
+        text=True, cwd=ROOT, env=env, timeout=600)
   proc = run("--batch_size=0")
   assert proc.returncode == 1 and not (tmp_path / "conv_plans.json").exists()
   assert "flag --batch_size=0: 0 is not a positive integer" in proc.stderr

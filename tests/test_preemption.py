@@ -11,9 +11,19 @@ import pytest
 import tensorflow as tf
 
 from capsnet.running import runs
-from conftest import (QUICK, THREE_EPOCHS, TIMING, eval_here, last_line, latest_step,
-                      listed, needs_mnist, rows, start, train_here, wait_until,
-                      weights_sha256)
+from conftest import QUICK
+from conftest import THREE_EPOCHS
+from conftest import TIMING
+from conftest import eval_here
+from conftest import last_line
+from conftest import latest_step
+from conftest import listed
+from conftest import needs_mnist
+from conftest import rows
+from conftest import start
+from conftest import train_here
+from conftest import wait_until
+from conftest import weights_sha256
 
 
 def _stop_with(sig, logdir, args, after_step):
@@ -46,10 +56,12 @@ def test_sigterm_and_sighup_save_and_the_resume_is_bit_identical(tmp_path, train
       assert runs.damage(prefix) is None, prefix
   proc = train_here(*args, f"--logdir={logdir}")
   assert proc.returncode == 0, proc.stderr[-3000:]
-  ckpt = lambda d: tf.train.latest_checkpoint(os.path.join(d, "latest"))
+  def ckpt(d):
+    return tf.train.latest_checkpoint(os.path.join(d, "latest"))
   assert ckpt(logdir).endswith("-30")
   assert weights_sha256(ckpt(logdir)) == weights_sha256(ckpt(reference))
-  strip = lambda rs: [{k: v for k, v in r.items() if k not in TIMING} for r in rs]
+  def strip(rs):
+    return [{k: v for k, v in r.items() if k not in TIMING} for r in rs]
   assert strip(rows(logdir)) == strip(rows(reference))
 
 

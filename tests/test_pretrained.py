@@ -9,7 +9,10 @@ import os
 import pytest
 
 from capsnet.running import runs
-from conftest import MNIST, ROOT, eval_here, needs_mnist
+from conftest import MNIST
+from conftest import ROOT
+from conftest import eval_here
+from conftest import needs_mnist
 
 PRETRAINED = os.path.join(ROOT, "pretrained", "r3_recon")
 TEST_ERRORS = 38      # `python eval.py --checkpoint pretrained/r3_recon` (README)
@@ -29,7 +32,7 @@ def errors_of(tmp_path, *flags):
   folder = runs.EvalFolder(out)
   predictions = folder.predictions()
   return folder.results()["count"], sum(
-      p != y for p, y in zip(predictions["prediction"], predictions["label"]))
+      p != y for p, y in zip(predictions["prediction"], predictions["label"], strict=True))
 
 
 @needs_mnist

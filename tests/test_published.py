@@ -3,15 +3,14 @@ committed run files, and the README's table is the answer's table: a run
 published without its report, or a report without the README, fails here."""
 import json
 import os
-import subprocess
 
 import pytest
 
+from capsnet.running import runs
 from capsnet.science import along
 from capsnet.science import answer
 from capsnet.science import confirm
 from capsnet.science import confirm_run
-from capsnet.running import runs
 from conftest import ROOT
 
 STUDY = os.path.join(ROOT, "study")
@@ -37,6 +36,7 @@ def assert_same_file(made, committed, stale):
     assert ours == theirs, stale
     return
   import io
+
   from matplotlib import image
   a, b = image.imread(io.BytesIO(ours)), image.imread(io.BytesIO(theirs))
   assert a.shape == b.shape, stale

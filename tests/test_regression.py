@@ -6,8 +6,11 @@ import os
 import pytest
 import tensorflow as tf
 
-from conftest import FLOAT64_WEIGHTS_SHA256, SMALL, needs_mnist, train_here, weights_sha256
-
+from conftest import FLOAT64_WEIGHTS_SHA256
+from conftest import SMALL
+from conftest import needs_mnist
+from conftest import train_here
+from conftest import weights_sha256
 
 # Weights of a fixed-seed tiny run (SMALL, 320 training images, 12 steps), a
 # sha256 over the model variables in name order: any change to what is
@@ -53,7 +56,7 @@ def test_max_steps_and_bit_identical_weights(tmp_path, mode):
   assert ckpt.endswith("-12")
   reader = tf.train.load_checkpoint(ckpt)
   assert (reader.get_tensor("state/epoch"), reader.get_tensor("state/epoch_examples")) == (1, 64)
-  rows = [json.loads(l) for l in open(os.path.join(logdir, "metrics.jsonl"))]
+  rows = [json.loads(line) for line in open(os.path.join(logdir, "metrics.jsonl"))]
   assert [(r["epoch"], r["step"]) for r in rows] == [(1, 10)]
   test = json.load(open(os.path.join(logdir, "test_results.json")))
   assert test["checkpoint"].endswith("best/model.ckpt-10")

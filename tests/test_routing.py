@@ -53,7 +53,7 @@ def test_coupling_coefficients_sum_to_one_over_out_caps(iters):
     v, couplings = routing.dynamic_routing(tf.constant(u_hat), iters)
     v_val, cs = run([v, couplings])
   assert len(cs) == iters and v_val.shape == (4, 3, 2)
-  for r, c_val in enumerate(cs):
+  for c_val in cs:
     assert c_val.shape == (4, 6, 3)                    # [b, i, o]
     np.testing.assert_allclose(c_val.sum(axis=2), 1.0, atol=1e-12)
   np.testing.assert_allclose(cs[0], 1.0 / 3, rtol=1e-12)   # b starts at zero
@@ -98,7 +98,7 @@ def test_three_iterations_match_numpy_procedure_1():
     with tf.Graph().as_default():
       v_tf, cs_tf = run(form(tf.constant(u_hat), 3))
     np.testing.assert_allclose(v_tf, v, rtol=1e-9)
-    for c_tf, c in zip(cs_tf, cs):
+    for c_tf, c in zip(cs_tf, cs, strict=True):
       np.testing.assert_allclose(c_tf, c, rtol=1e-9)
 
 
@@ -122,7 +122,7 @@ def test_the_matmul_form_is_procedure_1_in_float64(iters, stop, bias):
         got[form.__name__] = (v, couplings, grads)
     with tf.compat.v1.Session(graph=graph) as sess:
       fast, plain = sess.run([got["dynamic_routing"], got["procedure_1"]])
-  for a, b_ in zip(tf.nest.flatten(fast), tf.nest.flatten(plain)):
+  for a, b_ in zip(tf.nest.flatten(fast), tf.nest.flatten(plain), strict=True):
     np.testing.assert_allclose(a, b_, rtol=1e-12, atol=1e-14)
 
 

@@ -7,7 +7,10 @@ import sys
 import pytest
 
 from capsnet.running import runs
-from conftest import QUICK, ROOT, needs_mnist, train_here
+from conftest import QUICK
+from conftest import ROOT
+from conftest import needs_mnist
+from conftest import train_here
 
 
 def snapshot(folder):

@@ -4,7 +4,9 @@ import os
 
 import pytest
 
-from conftest import MNIST, cli, needs_mnist
+from conftest import MNIST
+from conftest import cli
+from conftest import needs_mnist
 
 
 @pytest.mark.slow

@@ -51,12 +51,13 @@ def _grads(out):
 def test_forward_identical_with_and_without_stop(tiny_cfg, iters):
   with tf.Graph().as_default():
     outs = _two_mode_graph(tiny_cfg, iters)
-    fetch = lambda o: [o.v, *o.couplings, o.lengths, o.margin_loss, o.recon_loss,
-                       o.reconstructions, o.loss]
+    def fetch(o):
+      return [o.v, *o.couplings, o.lengths, o.margin_loss, o.recon_loss,
+              o.reconstructions, o.loss]
     with tf.compat.v1.Session() as sess:
       _init_random(sess)
       on, off = sess.run([fetch(outs[True]), fetch(outs[False])])
-  for a, b in zip(on, off):
+  for a, b in zip(on, off, strict=True):
     np.testing.assert_array_equal(a, b)
 
 
@@ -67,7 +68,7 @@ def test_one_iteration_gradients_identical(tiny_cfg):
     with tf.compat.v1.Session() as sess:
       _init_random(sess)
       on, off = sess.run([_grads(outs[True]), _grads(outs[False])])
-  for a, b in zip(on, off):
+  for a, b in zip(on, off, strict=True):
     assert np.abs(a).max() > 0
     np.testing.assert_array_equal(a, b)
 
@@ -79,7 +80,7 @@ def test_more_iterations_gradients_differ(tiny_cfg, iters):
     with tf.compat.v1.Session() as sess:
       _init_random(sess)
       on, off = sess.run([_grads(outs[True]), _grads(outs[False])])
-  for name, a, b in zip(GRAD_VARS + ("primary capsules",), on, off):
+  for name, a, b in zip(GRAD_VARS + ("primary capsules",), on, off, strict=True):
     rel = np.linalg.norm(a - b) / np.linalg.norm(b)
     assert rel > 1e-4, f"{name}: relative gradient difference {rel:.2e}"
 
@@ -115,7 +116,7 @@ def test_gradient_without_stop_matches_finite_differences(iters):
   with tf.Graph().as_default(), tf.compat.v1.Session():
     theo, num = tf.test.compute_gradient(
         lambda u, w: _routed_loss(u, w, iters, stop=False), [U, W])
-  for t, n in zip(theo, num):
+  for t, n in zip(theo, num, strict=True):
     assert np.abs(n).max() > 1e-3
     np.testing.assert_allclose(t, n, atol=1e-6)
 
@@ -134,7 +135,7 @@ def test_stopped_gradient_is_gradient_with_c_held_fixed(iters):
     # ...and of the full loss, where c moves with u and W.
     _, full_num = tf.test.compute_gradient(
         lambda u, w: _routed_loss(u, w, iters, stop=False), [U, W])
-  for a, fixed, full in zip(analytic, fixed_num, full_num):
+  for a, fixed, full in zip(analytic, fixed_num, full_num, strict=True):
     np.testing.assert_allclose(a.reshape(-1), fixed.reshape(-1), atol=1e-6)
     # The part of the gradient carried by c is far above the FD error.
     assert np.linalg.norm(a.reshape(-1) - full.reshape(-1)) > 1e-3

@@ -1,5 +1,6 @@
-"""The routing studies (capsnet.study, capsnet.science.grids) and their reports (capsnet.science.report):
-aggregation, table, skip/resume, publishing, end to end."""
+"""The routing studies (capsnet.study, capsnet.science.grids) and their
+reports (capsnet.science.report): aggregation, table, skip/resume,
+publishing, end to end."""
 import json
 import os
 import subprocess
@@ -8,11 +9,13 @@ import sys
 import numpy as np
 import pytest
 
-from capsnet.science import grids
 from capsnet.running import runs
+from capsnet.science import grids
 from capsnet.science import report
 from capsnet.science import stats
-from conftest import ROOT, SMALL, needs_mnist
+from conftest import ROOT
+from conftest import SMALL
+from conftest import needs_mnist
 
 
 def fake_run(folder, test_error, val_errors, diag, epochs=1, speed=100.0,
@@ -86,7 +89,8 @@ def test_multimnist_table_and_curve_by_pairs_seen(tmp_path):
   assert run["images_curve"] == [(1280, 30.0), (2560, 12.0), (3840, 8.0)]
   table = report.markdown([r], grids.GRIDS["multimnist"])
   assert "| training pairs seen | test: at least one right % |" in table
-  assert "| r3_recon_seed0 | bf16 | 2 | 30 | 6.50 | 650 | 8.00 | 100 | 2 min | 3,840 | 99.10 |" in table
+  assert ("| r3_recon_seed0 | bf16 | 2 | 30 | 6.50 | 650 | 8.00 | 100 | 2 min | 3,840 "
+          "| 99.10 |") in table
   report.report([r], str(tmp_path / "report"), grids.GRIDS["multimnist"])
   assert open(tmp_path / "report" / "val_error.png", "rb").read(8) == b"\x89PNG\r\n\x1a\n"
   # an MNIST table keeps its nine columns
@@ -159,7 +163,7 @@ def test_study_cli_runs_then_skips(tmp_path):
   assert row["variant"] == "r2_nostop" and row["seeds"] == 1
   assert row["test_errors"] == [test["error_percent"]]
   assert row["runs"][0]["steps"] == 20 and row["runs"][0]["precision"] == "fp32"
-  diag = [json.loads(l) for l in open(os.path.join(out, "r2_nostop_seed0",
+  diag = [json.loads(line) for line in open(os.path.join(out, "r2_nostop_seed0",
                                                    "diagnostics.jsonl"))]
   assert row["diag"]["digit_caps/weights"] == [diag[0]["digit_caps/weights"],
                                                diag[-1]["digit_caps/weights"]]
@@ -235,7 +239,8 @@ def test_t_quantiles_and_paired_interval_by_hand():
 
 def test_seed_aggregation_comparison_and_band_plot(tmp_path):
   out = str(tmp_path)
-  vals = lambda last: [2.0] * 5 + [last] * 10   # the last 10 epochs' mean: last
+  def vals(last):
+    return [2.0] * 5 + [last] * 10   # the last 10 epochs' mean: last
   for seed, (a_test, b_test, a_last, b_last) in enumerate(
       [(0.38, 0.49, 0.40, 0.42), (0.43, 0.45, 0.44, 0.46), (0.40, 0.41, 0.41, 0.40)]):
     fake_run(report.run_dir(out, "r3_recon", seed), a_test, vals(a_last), [0.1], epochs=15,
@@ -308,7 +313,7 @@ def test_averaged_weights_figures(tmp_path):
   folder = report.run_dir(str(tmp_path), "r3_recon_balance", 0)
   fake_run(folder, 0.3, [1.0] * 12, [0.1], epochs=12, every_epoch=True)
   path = os.path.join(folder, "metrics.jsonl")
-  rows = [json.loads(l) for l in open(path)]
+  rows = [json.loads(line) for line in open(path)]
   for k, r in enumerate(rows):
     r["val_error_percent_averaged"] = 0.9 if k == 5 else 1.1
   open(path, "w").write("".join(json.dumps(r) + "\n" for r in rows))
@@ -339,7 +344,8 @@ def test_short_protocol_tables_compare_its_three_measures(tmp_path):
         json.dump({"error_percent": aff, "count": 10000,
                    "sweep": [{"max_rotation_deg": d, "error_percent": aff * (1 + d / 20)}
                              for d in (0, 20, 45)]}, f)
-  rows = report.summarize(out, grids.GRIDS["short"], ["r3_recon", "r3_recon_nostop"], range(3), 5, (14,))
+  rows = report.summarize(out, grids.GRIDS["short"], ["r3_recon", "r3_recon_nostop"],
+                          range(3), 5, (14,))
   stop, nostop = rows
   np.testing.assert_allclose(stop["measures"]["affine_error"]["values"], [3.0, 3.2, 3.1])
   assert stop["measures"]["test_margin_loss"]["mean"] == pytest.approx(0.0205)
@@ -377,14 +383,15 @@ def test_short_report_shows_ties_and_the_selection_free_loss(tmp_path):
     for seed, shift in ((0, 0.0), (1, 0.001)):
       folder = report.run_dir(out, variant, seed, 14)
       fake_run(folder, 1.0, [1.2, 1.1, 1.1], [0.1], epochs=1)
-      rows = [json.loads(l) for l in open(os.path.join(folder, "metrics.jsonl"))]
+      rows = [json.loads(line) for line in open(os.path.join(folder, "metrics.jsonl"))]
       with open(os.path.join(folder, "metrics.jsonl"), "w") as f:
-        for row, loss in zip(rows, losses):
+        for row, loss in zip(rows, losses, strict=True):
           f.write(json.dumps(dict(row, val_loss=loss + shift)) + "\n")
       with open(os.path.join(folder, "test_results.json"), "w") as f:
         json.dump({"error_percent": 1.0, "count": 10000,
                    "checkpoint": os.path.join(folder, "best", "model.ckpt-20")}, f)
-  rows = report.summarize(out, grids.GRIDS["short"], ["r3_recon", "r3_recon_nostop"], range(2), 1, (14,))
+  rows = report.summarize(out, grids.GRIDS["short"], ["r3_recon", "r3_recon_nostop"],
+                          range(2), 1, (14,))
   run = rows[0]["runs"][1]
   assert run["tied_steps"] == [20, 30] and run["selected_step"] == 20
   assert run["last_val_loss"] == pytest.approx(0.040)

@@ -17,8 +17,16 @@ import tensorflow as tf
 from capsnet.data import mnist
 from capsnet.model import network
 from capsnet.running import runs
-from conftest import (MNIST, SMALL, TINY, TWO_TOWERS, cli, last_line, needs_mnist, train_here,
-                      trained_stdout)
+from conftest import MNIST
+from conftest import SMALL
+from conftest import TINY
+from conftest import TWO_TOWERS
+from conftest import cli
+from conftest import last_line
+from conftest import needs_mnist
+from conftest import train_here
+from conftest import trained_stdout
+
 
 def scalars(logdir, tag):
   values = []
@@ -46,7 +54,7 @@ def test_training_writes_everything_and_learns(run_dir):
     assert os.path.exists(os.path.join(logdir, name)), name
   assert glob.glob(os.path.join(logdir, "events.out.tfevents.*"))
   assert tf.train.latest_checkpoint(os.path.join(logdir, "latest")).endswith("-50")
-  rows = [json.loads(l) for l in open(os.path.join(logdir, "metrics.jsonl"))]
+  rows = [json.loads(line) for line in open(os.path.join(logdir, "metrics.jsonl"))]
   assert [(r["epoch"], r["step"]) for r in rows] == [(1, 50)]
   assert rows[0]["val_error_percent"] == pytest.approx(100 * (1 - rows[0]["val_accuracy"]))
   assert rows[0]["val_accuracy"] > 0.5          # learned: chance is 0.1
@@ -64,7 +72,7 @@ def test_training_writes_everything_and_learns(run_dir):
   entropy = scalars(logdir, "routing/entropy_iter_0")
   np.testing.assert_allclose(entropy[0][1], np.log(10), rtol=1e-5)  # uniform c
   assert scalars(logdir, "routing/entropy_iter_2")[-1][1] < np.log(10)
-  diag = [json.loads(l) for l in open(os.path.join(logdir, "diagnostics.jsonl"))]
+  diag = [json.loads(line) for line in open(os.path.join(logdir, "diagnostics.jsonl"))]
   assert [(d["step"], d["epoch"]) for d in diag] == [(1, 0.02), (25, 0.5), (50, 1.0)]
 
 
@@ -82,7 +90,7 @@ def test_diagnostic_rows_are_the_gradient_share_of_the_fixed_batch(run_dir):
     tf.compat.v1.train.Saver(model_vars).restore(
         sess, tf.train.latest_checkpoint(os.path.join(logdir, "latest")))
     values = sess.run(diag)
-  row = [json.loads(l) for l in open(os.path.join(logdir, "diagnostics.jsonl"))][-1]
+  row = [json.loads(line) for line in open(os.path.join(logdir, "diagnostics.jsonl"))][-1]
   assert row["step"] == 50
   for name, value in values.items():
     assert value > 1e-3, name                   # r = 3: some gradient goes through c
@@ -110,7 +118,7 @@ def test_resume_continues_step_and_optimizer_state(run_dir, tmp_path):
   # Adam's beta1 power is 0.9^(steps + 1): 100 steps, not 50 after a re-init.
   np.testing.assert_allclose(reader.get_tensor("beta1_power"), 0.9 ** 101, rtol=1e-4)
   assert reader.get_tensor("state/epoch") == 2
-  rows = [json.loads(l) for l in open(os.path.join(resumed, "metrics.jsonl"))]
+  rows = [json.loads(line) for line in open(os.path.join(resumed, "metrics.jsonl"))]
   assert [(r["epoch"], r["step"]) for r in rows] == [(1, 50), (2, 100)]
 
 
@@ -183,8 +191,8 @@ def test_eval_cli_scores_every_image_and_writes_files(run_dir, tmp_path):
   assert res["loss"] == pytest.approx(row["val_loss"], rel=1e-6)
   lines = open(os.path.join(out, "predictions.csv")).read().splitlines()
   assert len(lines) == 501 and lines[0].startswith("index,label,prediction,length_0")
-  preds = np.array([int(l.split(",")[2]) for l in lines[1:]])
-  labels = np.array([int(l.split(",")[1]) for l in lines[1:]])
+  preds = np.array([int(line.split(",")[2]) for line in lines[1:]])
+  labels = np.array([int(line.split(",")[1]) for line in lines[1:]])
   np.testing.assert_allclose(res["accuracy"], np.mean(preds == labels))
   with tf.Graph().as_default(), tf.compat.v1.Session() as sess:
     recon = sess.run(tf.io.decode_png(open(os.path.join(out, "reconstructions.png"), "rb").read()))
@@ -284,7 +292,7 @@ def test_two_towers_same_variables_and_full_batch_gradient():
     results[len(devices)] = (names, values, ops)
   assert results[1][0] == results[2][0]
   assert len(results[2][0]) == 9
-  for one, two in zip(results[1][1], results[2][1]):
+  for one, two in zip(results[1][1], results[2][1], strict=True):
     assert np.abs(one).max() > 0
     np.testing.assert_allclose(two, one, rtol=1e-10, atol=1e-16)
   ops = results[2][2]

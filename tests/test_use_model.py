@@ -16,7 +16,12 @@ from capsnet.running import evaluation
 from capsnet.running import runs
 from capsnet.using import pictures
 from capsnet.using import serving
-from conftest import MNIST, ROOT, TWO_TOWERS, eval_here, last_line, needs_mnist
+from conftest import MNIST
+from conftest import ROOT
+from conftest import TWO_TOWERS
+from conftest import eval_here
+from conftest import last_line
+from conftest import needs_mnist
 
 PRETRAINED = os.path.join(ROOT, "pretrained", "r3_recon")
 needs_pretrained = pytest.mark.skipif(

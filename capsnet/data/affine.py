@@ -114,7 +114,7 @@ def draw(images, ranges=AFFNIST, seed=SEED):
 def apply(images, params):
   """The uint8 images `[n, h, w, 1]` transformed by their `draw` rows,
   bilinearly, zero fill."""
-  import tensorflow as tf   # pylint: disable=import-outside-toplevel
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
   transforms = np.stack([projective_transform(p) for p in params]).astype(np.float32)
   with tf.Graph().as_default():
     # Fed, not constants: 10,000 images as a tf.constant (63 MB of float64

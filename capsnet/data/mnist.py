@@ -17,7 +17,6 @@ import urllib.request
 import numpy as np
 import tensorflow as tf
 
-
 IMAGE_MAGIC = 2051   # 0x00000803: unsigned byte, 3 dimensions
 LABEL_MAGIC = 2049   # 0x00000801: unsigned byte, 1 dimension
 AUGMENT_SHIFT = 2    # the paper's augmentation: shifts of up to 2 pixels

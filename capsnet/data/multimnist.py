@@ -29,7 +29,7 @@ def fixed_pairs(labels, seed, max_shift=PAIR_SHIFT, num_classes=10):
   by_class = [np.flatnonzero(labels == c) for c in range(num_classes)]
   pick = rng.random_sample(len(labels))
   second = np.array([by_class[c][int(p * len(by_class[c]))]
-                     for c, p in zip(partner_class, pick)])
+                     for c, p in zip(partner_class, pick, strict=True)])
   shifts = rng.randint(-max_shift, max_shift + 1, (len(labels), 2, 2))
   return first, second, shifts
 
@@ -157,7 +157,7 @@ def load(mnist_splits, max_shift=PAIR_SHIFT, seeds=(1, 2)):
   "validation" and "test" fixed pairs by the given seeds (images, labels `[n,
   2]`, targets)."""
   out = {"train": mnist_splits["train"]}
-  for split, seed in zip(("validation", "test"), seeds):
+  for split, seed in zip(("validation", "test"), seeds, strict=True):
     images, labels = mnist_splits[split]
     if not len(labels):
       out[split] = (np.zeros([0, CANVAS, CANVAS, 1], np.uint8), np.zeros([0, 2], np.int32),

@@ -229,13 +229,13 @@ def _phase_input_grad(dy, w, h, wd, s):
   phases = []
   for py in range(s):
     for px in range(s):
-      j, l = len(range(py, kh, s)), len(range(px, kw, s))
-      ph, pw = oh + j - 1, ow + l - 1                # full correlation size
-      rhs = tf.pad(dy, [[0, 0], [0, 0], [0, l - 1], [0, 0]])
-      rhs = _fold_width(rhs, fold)[:, :, :fold * pw - (l - 1)]
+      kr, kc = len(range(py, kh, s)), len(range(px, kw, s))   # the phase's kernel rows, columns
+      ph, pw = oh + kr - 1, ow + kc - 1                # full correlation size
+      rhs = tf.pad(dy, [[0, 0], [0, 0], [0, kc - 1], [0, 0]])
+      rhs = _fold_width(rhs, fold)[:, :, :fold * pw - (kc - 1)]
       sizes = tf.stack([tf.shape(rhs)[0], ph, fold * pw, c])
       phase = tf.compat.v1.nn.conv2d_backprop_input(
-          sizes, wp[:j, py, :l, px], rhs, strides=[1, 1, 1, 1], padding="VALID")
+          sizes, wp[:kr, py, :kc, px], rhs, strides=[1, 1, 1, 1], padding="VALID")
       phase = tf.reshape(phase, [-1, ph, fold, pw, c])
       phases.append(tf.pad(phase, [[0, 0], [0, rows - ph], [0, 0],
                                    [0, cols - pw], [0, 0]]))
@@ -348,8 +348,10 @@ def _dft_conv(x, w, stride):
                   [len(w_mix), bins, c, n])
   with tf.name_scope("products"):   # (the benchmark's roofline books them apart)
     if compute == tf.bfloat16:
-      low = lambda t: tf.cast(t, compute)
-      mm = lambda a, b: tf.cast(tf.matmul(low(a), low(b)), exact)
+      def low(t):
+        return tf.cast(t, compute)
+      def mm(a, b):
+        return tf.cast(tf.matmul(low(a), low(b)), exact)
       (xr, xi), (wr, wi) = tf.unstack(xs), tf.unstack(ws)
       y = tf.stack([mm(xr, wr) + mm(xi, wi), mm(xi, wr) - mm(xr, wi)])
     else:

@@ -21,7 +21,6 @@ import tensorflow as tf
 from capsnet.model import fast_conv
 from capsnet.model import routing
 
-
 Precision = collections.namedtuple("Precision", [
     "variables",   # dtype of the variables, capsules, routing and outputs
     "compute",     # dtype of the convolutions and the decoder's matmuls

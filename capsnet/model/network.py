@@ -13,7 +13,6 @@ from capsnet.model import layers
 from capsnet.model import losses
 from capsnet.model import routing
 
-
 # ModelConfig.capsule_layers: the paper's layers, or those of the authors'
 # code (Sarasra/models, research/capsules), which differ from the text:
 # - PrimaryCaps: a one-iteration capsule layer over its 32 types, so the
@@ -237,8 +236,8 @@ def _two_digit_heads(v, lengths, labels, targets, cfg, training):
   if targets is not None:
     classes = labels if training else top2
     recon = tf.stack([_masked_decoder(v, classes[:, d], cfg) for d in range(2)], 1)
-    term = lambda d, t: losses.reconstruction_loss(recon[:, d], targets[:, t],
-                                                   cfg.recon_weight)
+    def term(d, t):
+      return losses.reconstruction_loss(recon[:, d], targets[:, t], cfg.recon_weight)
     recon_loss = term(0, 0) + term(1, 1)
     if not training:   # the predicted pair in either order against the labels
       recon_loss = tf.minimum(recon_loss, term(0, 1) + term(1, 0))
@@ -336,7 +335,7 @@ def average_gradients(tower_grads):
   """One list of (mean gradient, variable) pairs from one list a tower (the
   variables in the same order)."""
   averaged = []
-  for pairs in zip(*tower_grads):
+  for pairs in zip(*tower_grads, strict=True):
     grads = [g for g, _ in pairs if g is not None]
     mean = tower_mean(grads) if grads else None
     averaged.append((mean, pairs[0][1]))
@@ -369,7 +368,7 @@ def gradient_diagnostic(images, labels, cfg, device=None, targets=None,
     wrt = [variables["capsnet/" + n] for n in DIAG_VARS]
     grads[stop] = tf.gradients(out.loss, wrt)
   return {name: tf.norm(full - stop) / tf.norm(full)
-          for name, stop, full in zip(DIAG_VARS, grads[True], grads[False])}
+          for name, stop, full in zip(DIAG_VARS, grads[True], grads[False], strict=True)}
 
 
 def training_summaries(out, images, lr):

@@ -19,6 +19,7 @@ from absl import app
 from absl import flags
 
 from capsnet.running import startup
+
 startup.import_tensorflow()   # run as a program too: before fast_conv imports it
 from capsnet.model import fast_conv  # noqa: E402
 from capsnet.running import files  # noqa: E402
@@ -95,7 +96,7 @@ def time_methods(conv, methods, dtype, training, repeats=REPEATS, warmup=WARMUP,
   over 1.5 times the best is not run again; with `give_up`, one whose first
   warmup is over `give_up` times the best so far is not timed at all.
   """
-  import tensorflow as tf   # pylint: disable=import-outside-toplevel
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
   dt = tf.as_dtype(dtype)
   with tf.Graph().as_default():
     tf.compat.v1.set_random_seed(0)
@@ -301,7 +302,7 @@ def define_flags():
 
 
 def main(argv):
-  from capsnet.model import network   # pylint: disable=import-outside-toplevel
+  from capsnet.model import network  # pylint: disable=import-outside-toplevel
   del argv
   start = time.perf_counter()
   cfg = network.ModelConfig(precision=FLAGS.precision)

@@ -63,12 +63,12 @@ CHECKPOINT_PREFIX = "model.ckpt"   # <folder>/model.ckpt-<step>.index, ...
 def _tf():
   """TensorFlow, imported on first use as the programs import it (`startup`)."""
   startup.import_tensorflow()
-  import tensorflow as tf   # pylint: disable=import-outside-toplevel
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
   return tf
 
 
 def _network():
-  from capsnet.model import network   # pylint: disable=import-outside-toplevel
+  from capsnet.model import network  # pylint: disable=import-outside-toplevel
   return network
 
 
@@ -238,8 +238,8 @@ class RunFolder:
       if not os.path.exists(path):
         continue
       with open(path) as f:
-        lines = [l for l in f if l.strip()]
-      kept = [l for l in lines if json.loads(l)["step"] <= step]
+        lines = [line for line in f if line.strip()]
+      kept = [line for line in lines if json.loads(line)["step"] <= step]
       if len(kept) < len(lines):
         files.atomic_write(path, "".join(kept))
 
@@ -313,7 +313,7 @@ class EvalFolder:
     names = (["label_a", "label_b", "prediction_a", "prediction_b"] if two
              else ["label", "prediction"])
     lines = [",".join(["index", *names, *(f"length_{k}" for k in range(lengths.shape[1]))])]
-    for i, (y, p, lens) in enumerate(zip(labels, predictions, lengths)):
+    for i, (y, p, lens) in enumerate(zip(labels, predictions, lengths, strict=True)):
       ids = [*y, *p] if two else [y, p]
       lines.append(",".join([str(i), *map(str, ids), *(f"{x:.5f}" for x in lens)]))
     files.atomic_write(self.file(PREDICTIONS_FILE), "\n".join(lines) + "\n")
@@ -543,8 +543,8 @@ def error_reason(error):
   message = getattr(error, "message", None) or str(error) or type(error).__name__
   frame = ("Graph execution error", "Detected at node", "File ", "Node:", "[[",
            "Hint:", "Traceback")
-  lines = [l.strip() for l in message.splitlines()]
-  lines = [l for l in lines if any(c.isalnum() for c in l) and not l.startswith(frame)]
+  lines = [line.strip() for line in message.splitlines()]
+  lines = [line for line in lines if any(c.isalnum() for c in line) and not line.startswith(frame)]
   return (lines[-1] if lines else type(error).__name__)[:200]
 
 

@@ -7,7 +7,6 @@ import contextlib
 import os
 import sys
 
-
 # TensorFlow's switch of its oneDNN kernels, read once, when it is imported.
 ONEDNN = "TF_ENABLE_ONEDNN_OPTS"
 

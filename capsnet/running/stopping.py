@@ -6,7 +6,6 @@ import signal
 
 import tqdm
 
-
 # The signals that stop a run with a checkpoint: Ctrl-C, and what a machine
 # sends (SIGTERM: kill, a batch scheduler's preemption, docker stop, a
 # Kubernetes eviction, systemd; SIGHUP: a closed terminal).

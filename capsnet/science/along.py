@@ -16,7 +16,6 @@ from capsnet.science import grids
 from capsnet.science import report as study_report
 from capsnet.science import stats
 
-
 VARIANTS = grids.GRIDS["short"].variants   # r1_recon, r3_recon, r3_recon_nostop: the same flags
 
 EPOCHS = 10
@@ -187,10 +186,8 @@ def compare(found, kept):
     for key, _, _ in MEASURES:
       per_epoch = {}
       for epoch in kept:
-        def figure(variant):
-          return {s: m[epoch][key] for s, m in found.get(variant, {}).items()
-                  if epoch in m}
-        d = stats.paired_difference(figure(a), figure(b))
+        d = stats.paired_difference(_figures(found, a, epoch, key),
+                                    _figures(found, b, epoch, key))
         if d is not None:
           per_epoch[epoch] = d
       table.setdefault((a, b), {})[key] = per_epoch
@@ -201,6 +198,11 @@ def compare(found, kept):
           reversals.append((a, b, key, early, later))
           break
   return table, reversals
+
+
+def _figures(found, variant, epoch, key):
+  """{seed: the measure `key` at `epoch`} of the variant's runs that reached it."""
+  return {s: m[epoch][key] for s, m in found.get(variant, {}).items() if epoch in m}
 
 
 def markdown(found, table, reversals, kept, blocks, partial=()):
@@ -240,7 +242,7 @@ def markdown(found, table, reversals, kept, blocks, partial=()):
     ms = [m[epoch] for m in found.get(variant, {}).values() if epoch in m]
     means = [[m[k] for m in ms if m.get(k) is not None] for k, _ in columns]
     return [variant, epoch, *(format(sum(v) / len(v), spec) if v else ""
-                              for v, (_, spec) in zip(means, columns))]
+                              for v, (_, spec) in zip(means, columns, strict=True))]
   lines += study_report.table(
       ["variant", "epoch", "test margin loss", "test error %", "affine error %",
        "train loss", "val loss", "mean largest coupling, last iteration",
@@ -333,7 +335,7 @@ def plot(table, kept, path):
   """along.png: each pair's paired difference against epoch with its 95%
   interval band, one panel per measure."""
   with study_report.drawing(path, (4.2 * len(MEASURES), 3.8), ncols=len(MEASURES)) as axes:
-    for ax, (key, what, _) in zip(axes, MEASURES):
+    for ax, (key, what, _) in zip(axes, MEASURES, strict=True):
       drawn = [epoch_band(ax, table[(a, b)][key], kept, label=name)[0] for a, b, name in PAIRS]
       epoch_axis(ax, kept, fixed=not any(drawn))   # no complete block: the epochs alone
       ax.set_title(f"B - A: {what}", fontsize=9)
@@ -351,7 +353,7 @@ def report(found, kept, folder):
              "comparisons": [{"a": a, "b": b, "measure": key, "epoch": e, **d}
                              for (a, b), per_m in table.items()
                              for key, per in per_m.items() for e, d in per.items()],
-             "reversals": [dict(zip(("a", "b", "measure", "earlier", "later"), r))
+             "reversals": [dict(zip(("a", "b", "measure", "earlier", "later"), r, strict=True))
                            for r in reversals]}
   write_report(folder, text, payload, found)
   plot(table, kept, os.path.join(folder, "along.png"))

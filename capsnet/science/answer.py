@@ -10,7 +10,6 @@ from capsnet.running import schedule
 from capsnet.science import report
 from capsnet.science import stats
 
-
 PAIRS = (("r3_recon", "r3_recon_nostop", "the stop: nostop - stop"),
          ("r1_recon", "r3_recon", "routing with the stop: r3 - r1"),
          ("r1_recon", "r3_recon_nostop", "routing without it: r3 nostop - r1"))

@@ -14,7 +14,6 @@ from capsnet.science import grids
 from capsnet.science import report as study_report
 from capsnet.science import stats
 
-
 # The registration (docs/confirm.md); none of it changes once block 5 starts.
 SEEDS = tuple(range(5, 21))        # sixteen blocks, n fixed by POWER below
 PRECISION = "fp32"
@@ -54,7 +53,7 @@ def order_table():
   thrice = set(rng.permutation(6)[:4].tolist())
   pool = [k for k in range(6) for _ in range(3 if k in thrice else 2)]
   assigned = rng.permutation(pool).tolist()
-  return {seed: orders()[k] for seed, k in zip(SEEDS, assigned)}
+  return {seed: orders()[k] for seed, k in zip(SEEDS, assigned, strict=True)}
 
 
 def sequence():
@@ -160,12 +159,14 @@ def decide(found, kept, final):
   second = [_difference(found, (a, b), kept) for a, b, _ in SECONDARY]
   p_values = [stats.t_p_value(d) for d in second]
   rejected, adjusted = stats.holm(p_values, ALPHA)
-  signs = [(d["mean"] > 0) - (d["mean"] < 0) if r else 0 for d, r in zip(second, rejected)]
+  signs = [(d["mean"] > 0) - (d["mean"] < 0) if r else 0
+           for d, r in zip(second, rejected, strict=True)]
   out = {"final": final,
          "primary": dict(primary or {}, p=stats.t_p_value(primary)),
          "equivalence": dict(within or {}, margin=MARGIN),
          "secondary": [dict(d or {}, p=p, p_holm=q, called=r and final, sign=s)
-                       for d, p, q, r, s in zip(second, p_values, adjusted, rejected, signs)]}
+                       for d, p, q, r, s in zip(second, p_values, adjusted, rejected, signs,
+                                                strict=True)]}
   out["primary"]["called"] = bool(primary and primary["called"] and final)
   for key, margin in (("within", MARGIN), ("within_descriptive", MARGIN_DESCRIPTIVE)):
     out["equivalence"][key] = bool(final and within and within["lo"] is not None
@@ -227,7 +228,7 @@ def _verdict_lines(decision):
                                       f"not shown within {MARGIN:.2f} points")
                + f"; descriptive, at +-{MARGIN_DESCRIPTIVE:.2f}: " + (
                    "within" if e["within_descriptive"] else "not shown within"))
-  for (a, b, name), d in zip(SECONDARY, decision["secondary"]):
+  for (_, _, name), d in zip(SECONDARY, decision["secondary"], strict=True):
     lines.append(f"- Secondary, {name}: {d['mean']:+.3f} points [{d['lo']:+.3f}, "
                  f"{d['hi']:+.3f}], p = {d['p']:.3f}, Holm-adjusted {d['p_holm']:.3f}: "
                  + ("**called**" if d["called"] else "not called"))
@@ -285,7 +286,7 @@ def plot(found, kept, decision, path):
 def _panels(found, kept, decision, left, right):
   pairs = [PRIMARY] + list(SECONDARY)
   called = [decision["primary"]["called"]] + [d["called"] for d in decision["secondary"]]
-  for x, ((a, b, name), is_called) in enumerate(zip(pairs, called)):
+  for x, ((a, b, _), is_called) in enumerate(zip(pairs, called, strict=True)):
     d = _difference(found, (a, b), kept)
     if d is None:
       continue
@@ -304,7 +305,7 @@ def _panels(found, kept, decision, left, right):
   left.axhline(0, color="black", linewidth=0.8)
   left.set_xticks(range(len(pairs)))
   left.set_xticklabels([name.replace(": ", ":\n") + ("\n(called)" if c else "")
-                        for (_, _, name), c in zip(pairs, called)], fontsize=8)
+                        for (_, _, name), c in zip(pairs, called, strict=True)], fontsize=8)
   left.set_ylabel(f"difference in test error at epoch {EPOCH}, points")
   state = ("sixteen blocks" if decision["final"]
            else f"interim: {len(along.blocks_done(found, kept))} of {len(SEEDS)} blocks, no call")

@@ -7,14 +7,12 @@ indices of the misclassified images) published as it ends.
 import datetime
 import hashlib
 import importlib.metadata
-import json
 import os
 import platform
 import re
 import shutil
 import signal
 import subprocess
-import sys
 
 from capsnet.running import files
 from capsnet.running import host
@@ -308,10 +306,10 @@ def last_error(log_path):
   """The log's last "train.py: error:" or other non-empty line."""
   try:
     with open(log_path, errors="replace") as f:
-      lines = [l.strip() for l in f if l.strip()]
+      lines = [line.strip() for line in f if line.strip()]
   except OSError:
     return ""
-  errors = [l for l in lines if l.startswith("train.py: error:")]
+  errors = [line for line in lines if line.startswith("train.py: error:")]
   return (errors or lines or [""])[-1]
 
 
@@ -335,7 +333,7 @@ def score(children, folder, epoch):
     entry[split] = {k: res[k] for k in ("count", "error_percent", "margin_loss_mean",
                                         "routing_entropy", "routing_max_c") if k in res}
     entry[split]["wrong"] = [i for i, y, p in zip(pred["index"], pred["label"],
-                                                  pred["prediction"]) if y != p]
+                                                  pred["prediction"], strict=True) if y != p]
   return entry
 
 

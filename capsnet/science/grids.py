@@ -12,7 +12,6 @@ from capsnet.running import host
 from capsnet.running import runs
 from capsnet.science import report
 
-
 # Weight averaging of the variants that use it: a time constant of 1,000
 # steps, about 2.3 epochs of 429 steps.
 EMA_DECAY = 0.999
@@ -55,7 +54,8 @@ GRIDS = {g.name: g for g in (
 
 AFFINE_SWEEP = tuple(range(0, 50, 5))   # the severity sweep's largest rotations
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the repository
+# The repository.
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def train_command(spec, seed, folder, settings, extra):
@@ -171,9 +171,9 @@ def routing_summary(own, other):
     raise ValueError("routing_summary: the two evaluations scored different images")
   def part(res, pred):
     return {"iter_routing": res["iter_routing"], "error_percent": res["error_percent"],
-            "errors": sum(p != y for p, y in zip(pred, labels)),
+            "errors": sum(p != y for p, y in zip(pred, labels, strict=True)),
             "entropy": res["routing_entropy"], "max_c": res["routing_max_c"]}
-  changed = [(a, b, y) for a, b, y in zip(pred_a, pred_b, labels) if a != b]
+  changed = [(a, b, y) for a, b, y in zip(pred_a, pred_b, labels, strict=True) if a != b]
   return {"checkpoint": res_a["checkpoint"], "images": len(labels),
           "uniform_entropy": res_a["routing_uniform_entropy"],
           "own": part(res_a, pred_a), "other": part(res_b, pred_b),

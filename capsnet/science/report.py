@@ -123,7 +123,7 @@ def summarize(out, grid, variants, seeds, epochs, schedules=(schedule.DECAY_STEP
   rows = []
   for name, decay_steps in ((n, d) for n in variants for d in schedules):
     runs = [describe_run(run_dir(out, name, s, decay_steps), epochs) for s in seeds]
-    runs = [dict(r, seed=s) for s, r in zip(seeds, runs) if r is not None]
+    runs = [dict(r, seed=s) for s, r in zip(seeds, runs, strict=True) if r is not None]
     if not runs:
       continue
     done = [r for r in runs if r["complete"]]
@@ -287,8 +287,9 @@ def _seed_table(rows):
     return []
   def row(r):
     done = [x for x in r["runs"] if x["complete"]]
-    per = lambda key, spec: ", ".join(
-        f"{_fmt(x[key], spec)} (seed {x['seed']})" for x in done) or "–"
+    def per(key, spec):
+      return ", ".join(
+          f"{_fmt(x[key], spec)} (seed {x['seed']})" for x in done) or "–"
     return [r["variant"], r["decay_steps"], len(done),
             _mean_std(r["test_error_mean"], r["test_error_std"]), per("test_error", ".2f"),
             _mean_std(r["last_val_error_mean"], r["last_val_error_std"]),
@@ -345,8 +346,8 @@ def _selection_table(rows, grid, descriptive):
   lines = ["", "Beside the registered measures (descriptive, not part of the rule): "
            "the checkpoint each run scored, the steps tied at its lowest validation "
            "error (train.py kept the first of them when these runs trained; it now "
-           "keeps the one with the lower validation loss), and the validation loss at the last step, "
-           "which no checkpoint choice touches:", ""] + table(
+           "keeps the one with the lower validation loss), and the validation loss at the "
+           "last step, which no checkpoint choice touches:", ""] + table(
                ["run", "scored step", "steps tied at the lowest val error",
                 "val loss, last step"],
                [[x["run"], _fmt(x["selected_step"], "d"),
@@ -372,7 +373,7 @@ def _comparison_table(comparisons, grid):
       return [c["a"], c["b"], c["decay_steps"], label, 0, "–", "–", "–",
               stats.verdict(d, spec=spec, within=grid.within)]
     return [c["a"], c["b"], c["decay_steps"], label, d["n"], ", ".join(
-        f"{format(x, spec)} ({unit} {s})" for s, x in zip(d["seeds"], d["diffs"])),
+        f"{format(x, spec)} ({unit} {s})" for s, x in zip(d["seeds"], d["diffs"], strict=True)),
             format(d["mean"], spec),
             "–" if d["lo"] is None else f"[{format(d['lo'], spec)}, {format(d['hi'], spec)}]",
             stats.verdict(d, spec=spec, within=grid.within)]
@@ -502,7 +503,7 @@ def _runs_lines(ax, rows, curve, skip=lambda r: False):
 def plot_diagnostic(rows, path):
   """The share of W's gradient that flows through the coefficients, by epoch."""
   with drawing(path, (7, 4), dpi=110) as ax:
-    _runs_lines(ax, rows, lambda x: x["diag_curve"] and tuple(zip(*x["diag_curve"])),
+    _runs_lines(ax, rows, lambda x: x["diag_curve"] and tuple(zip(*x["diag_curve"], strict=True)),
                 skip=lambda r: r["iter_routing"] == 1)
     ax.set_xlabel("epoch")
     ax.set_ylabel("||g_full - g_stop|| / ||g_full||  (W)")
@@ -529,9 +530,10 @@ def plot_sweep(rows, shipped, path):
   """Affine error against the largest rotation: a line per run, and the
   shipped weights' in black."""
   with drawing(path, (7, 4.5), dpi=110) as ax:
-    _runs_lines(ax, rows, lambda x: x["affine_sweep"] and tuple(zip(*x["affine_sweep"])))
+    _runs_lines(ax, rows, lambda x: x["affine_sweep"]
+                and tuple(zip(*x["affine_sweep"], strict=True)))
     if shipped:
-      ds, es = zip(*shipped)
+      ds, es = zip(*shipped, strict=True)
       ax.plot(ds, es, color="black", linewidth=1.5, label="shipped r3_recon (50 epochs)")
     ax.set_xlabel("largest rotation (degrees); shear, scale, shift in affNIST's ranges")
     ax.set_ylabel("error (%)")

@@ -23,7 +23,8 @@ def preprocess(path):
   polarity) as an MNIST digit: uint8 `[28, 28, 1]`, white ink on black. Raises
   ImageError naming the file."""
   grey = _decode_grey(path)                                  # [h, w] in [0, 1]
-  edges = lambda a: np.concatenate([a[0], a[-1], a[:, 0], a[:, -1]])
+  def edges(a):
+    return np.concatenate([a[0], a[-1], a[:, 0], a[:, -1]])
   ink = 1.0 - grey if edges(grey).mean() > 0.5 else grey      # ink bright
   background = np.median(edges(ink))
   ink = np.clip((ink - background) / max(1.0 - background, 1e-6), 0, 1)
@@ -48,9 +49,9 @@ def _decode_grey(path):
     # The reason is the last line once TensorFlow's node annotations are
     # gone: "{{function_node ...}} <reason> [Op:DecodeImage]" (eager), or
     # "<reason>" then "[[{{node decode_image/DecodeImage}}]]" (graph mode).
-    lines = [re.sub(r"\[\[\{\{[^}]*\}\}\]\]|\{\{[^}]*\}\}|\[Op:\w+\].*$", "", l).strip()
-             for l in (getattr(e, "message", None) or str(e)).splitlines()]
-    reason = ([l for l in lines if l] or [type(e).__name__])[-1][:120]
+    lines = [re.sub(r"\[\[\{\{[^}]*\}\}\]\]|\{\{[^}]*\}\}|\[Op:\w+\].*$", "", line).strip()
+             for line in (getattr(e, "message", None) or str(e)).splitlines()]
+    reason = ([line for line in lines if line] or [type(e).__name__])[-1][:120]
     raise ImageError(f"{path}: cannot read or decode the image ({reason})") from None
   rgba = image.astype(np.float32) / 255.0
   alpha = rgba[..., 3:]
@@ -105,7 +106,8 @@ def report(image, reconstruction, lengths, prediction, zoom=4):
   `[784]` (or None) and the capsule lengths as bars over their digits, the
   `prediction` in red, a dashed line at 0.5."""
   size = FIELD * zoom
-  grey = lambda a: np.repeat(np.kron(a, np.ones([zoom, zoom]))[..., None], 3, axis=2)
+  def grey(a):
+    return np.repeat(np.kron(a, np.ones([zoom, zoom]))[..., None], 3, axis=2)
   panels = [grey(image / 255.0)]
   if reconstruction is not None:
     panels.append(grey(np.reshape(reconstruction, [FIELD, FIELD])))
@@ -140,7 +142,7 @@ def routing_figure(image, grids, entropies, kernels=(9, 9), stride=2, zoom=6):
   low = min(g.min() for g in grids)
   high = max(g.max() for g in grids)
   panels = []
-  for grid, entropy in zip(grids, entropies):
+  for grid, entropy in zip(grids, entropies, strict=True):
     panel = np.repeat(np.kron(image / 255.0, np.ones([zoom, zoom]))[..., None], 3, 2)
     panel = 0.15 + 0.7 * panel
     for (i, j), value in np.ndenumerate(grid):
