@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from capsnet.science import along
+from capsnet.science import report as study_report
 from capsnet.science import stats
 from conftest import ROOT
 from conftest import SMALL
@@ -56,7 +57,7 @@ def blocks(tmp_path):
   out = tmp_path / "along"
   for seed in range(5):
     for variant in along.VARIANTS:
-      fake_run(str(out / along.run_name(variant, seed)), variant, seed)
+      fake_run(str(out / study_report.run_name(variant, seed)), variant, seed)
   return str(out)
 
 
@@ -133,8 +134,8 @@ def test_a_blocks_command_publishes_the_report_of_every_published_block(blocks, 
   pub, out = tmp_path / "pub", tmp_path / "block4"
   shutil.copytree(blocks, pub)
   for variant in along.VARIANTS:
-    shutil.copytree(os.path.join(blocks, along.run_name(variant, 4)),
-                    out / along.run_name(variant, 4))
+    shutil.copytree(os.path.join(blocks, study_report.run_name(variant, 4)),
+                    out / study_report.run_name(variant, 4))
   os.makedirs(pub / "notes")          # a folder that is not a run is passed over
   proc = _along("--first_seed=4", "--seeds=1", f"--out={out}", "--train=false",
                 f"--publish={pub}")
@@ -147,7 +148,7 @@ def test_a_blocks_command_publishes_the_report_of_every_published_block(blocks, 
   assert {p: (pub / p).read_bytes() for p in whole} == whole
   # This command's block 4 without its r1_recon: the published r1_recon of
   # seed 4 (another attempt's) does not complete it; a block is never mixed.
-  shutil.rmtree(out / along.run_name("r1_recon", 4))
+  shutil.rmtree(out / study_report.run_name("r1_recon", 4))
   proc = _along("--first_seed=4", "--seeds=1", f"--out={out}", "--train=false",
                 f"--publish={pub}")
   assert proc.returncode == 0, proc.stderr[-2000:]
@@ -201,13 +202,13 @@ def test_a_block_end_to_end_on_a_small_model(tmp_path):
                 f"--publish={pub}", "--", *SMALL, "--train_size=320")
   assert proc.returncode == 0, proc.stderr[-3000:]
   for variant in along.VARIANTS:
-    run = out / along.run_name(variant, 0)
+    run = out / study_report.run_name(variant, 0)
     assert sorted(p for p in os.listdir(run / "epochs") if p.endswith(".index")) == [
         "model.ckpt-10.index", "model.ckpt-20.index"]
     results = json.loads((run / along.RESULTS_FILE).read_text())
     assert sorted(results) == ["1", "2"] and results["2"]["step"] == 20
     assert results["1"]["test"]["count"] == results["1"]["affine"]["count"] == 10000
-    assert sorted(os.listdir(pub / along.run_name(variant, 0))) == sorted(
+    assert sorted(os.listdir(pub / study_report.run_name(variant, 0))) == sorted(
         n for n in along.SMALL_FILES)
   assert "1 block(s) (seeds 0): **interim**" in (pub / "results.md").read_text()
 
@@ -215,8 +216,8 @@ def test_a_block_end_to_end_on_a_small_model(tmp_path):
 def test_an_incomplete_block_is_left_out(blocks, tmp_path):
   # Block 4 without its r3_recon_nostop run (a sitting that ended first), and
   # block 3 with one registered epoch not scored.
-  shutil.rmtree(os.path.join(blocks, along.run_name("r3_recon_nostop", 4)))
-  path = os.path.join(blocks, along.run_name("r1_recon", 3), along.RESULTS_FILE)
+  shutil.rmtree(os.path.join(blocks, study_report.run_name("r3_recon_nostop", 4)))
+  path = os.path.join(blocks, study_report.run_name("r1_recon", 3), along.RESULTS_FILE)
   results = json.load(open(path))
   del results["10"]
   json.dump(results, open(path, "w"))

@@ -16,6 +16,7 @@ import pytest
 from capsnet.running import host
 from capsnet.science import along
 from capsnet.science import confirm
+from capsnet.science import report as study_report
 from capsnet.science import stats
 from conftest import ROOT
 from conftest import SMALL
@@ -151,7 +152,7 @@ def test_host_kind_from_cpuinfo(tmp_path):
 def fake_block(out, seed, errs, cpu_id="AuthenticAMD family 25 model 17"):
   """One block's three runs as the protocol leaves them (small files only)."""
   for variant in along.VARIANTS:
-    folder = os.path.join(out, along.run_name(variant, seed))
+    folder = os.path.join(out, study_report.run_name(variant, seed))
     os.makedirs(folder)
     with open(os.path.join(folder, "metrics.jsonl"), "w") as f:
       for epoch in range(1, 11):
@@ -256,7 +257,7 @@ def test_runs_end_to_end_on_a_small_model_stopped_and_resumed(tmp_path):
     return [sys.executable, "-m", "capsnet.confirm", "--epochs=2", "--kept=1,2",
             f"--out={out}", f"--publish={pub}", f"--runs={runs}", "--", *SMALL,
             f"--train_size={train_size}"]
-  first, second = (confirm.run_name(*r) for r in confirm.sequence()[:2])
+  first, second = (confirm.folder_name(r) for r in confirm.sequence()[:2])
   proc = subprocess.run(command(320), env=env, capture_output=True, text=True, cwd=ROOT,
                         timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]

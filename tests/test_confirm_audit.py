@@ -28,7 +28,7 @@ def attempt(kind="start", **extra):
 
 def publish_run(pub, seed, variant, attempts=None, lost=(), outcome="completed"):
   """One run as the command publishes it (small files only)."""
-  folder = os.path.join(pub, confirm.run_name(seed, variant))
+  folder = os.path.join(pub, confirm.folder_name((seed, variant)))
   os.makedirs(folder)
   model = dict(confirm_audit._paper_layers(variant), precision="fp32",
                conv_plan="conv1:patch_gemm,primary_caps:dft")
@@ -60,7 +60,7 @@ def edit(path, change):
 def first_runs(pub, n):
   for seed, variant in confirm.sequence()[:n]:
     publish_run(pub, seed, variant)
-  return [os.path.join(pub, confirm.run_name(*r)) for r in confirm.sequence()[:n]]
+  return [os.path.join(pub, confirm.folder_name(r)) for r in confirm.sequence()[:n]]
 
 
 def stop(pub, name, step, digest):
@@ -78,12 +78,12 @@ def test_a_resume_from_the_committed_state_and_a_restart_with_its_lost_attempt_p
     tmp_path):
   pub = str(tmp_path)
   (s1, v1), (s2, v2) = confirm.sequence()[:2]
-  stop(pub, confirm.run_name(s1, v1), 900, "a" * 64)
+  stop(pub, confirm.folder_name((s1, v1)), 900, "a" * 64)
   publish_run(pub, s1, v1, [attempt(), attempt("resume", from_step=900,
                                                from_digest="a" * 64)])
-  stop(pub, confirm.run_name(s2, v2), 300, "b" * 64)
+  stop(pub, confirm.folder_name((s2, v2)), 300, "b" * 64)
   publish_run(pub, s2, v2, [attempt("restart", reason="gone")],
-              lost=[{"run": confirm.run_name(s2, v2), "step": 300, "digest": "b" * 64}])
+              lost=[{"run": confirm.folder_name((s2, v2)), "step": 300, "digest": "b" * 64}])
   assert confirm_audit.audit(pub, COMMIT) == []
 
 
@@ -151,14 +151,14 @@ def test_breaches_of_the_sequence_and_of_the_stops_are_named(tmp_path):
   third = confirm.sequence()[2]
   publish_run(pub, *third)
   os.makedirs(os.path.join(pub, "r9_recon_seed5"))
-  name = confirm.run_name(*confirm.sequence()[0])
+  name = confirm.folder_name(confirm.sequence()[0])
   stop(pub, name, 500, "c" * 64)                  # a stop nobody resumed
   stop(pub, "r2_seed5", 1, "d" * 64)              # a stop of no run
   edit(os.path.join(pub, name, "host.json"), lambda h: h["attempts"].append(
       attempt("resume", from_step=700, from_digest="e" * 64)))
   found = confirm_audit.audit(pub, COMMIT)
-  assert f"{confirm.run_name(*third)}: published out of turn (the sequence's next due is " \
-         f"{confirm.run_name(*confirm.sequence()[1])})" in found
+  assert f"{confirm.folder_name(third)}: published out of turn (the sequence's next due is " \
+         f"{confirm.folder_name(confirm.sequence()[1])})" in found
   assert "r9_recon_seed5: not a run of the registered sequence" in found
   assert "partway.jsonl: a stop of 'r2_seed5', not a run of the sequence" in found
   assert f"{name}: attempt 2 resumed from step 700 (eeeeeeeeeeee), not a committed " \
@@ -170,14 +170,14 @@ def test_breaches_of_the_sequence_and_of_the_stops_are_named(tmp_path):
 def test_a_resume_on_another_host_and_a_restart_without_lost_attempts_are_named(tmp_path):
   pub = str(tmp_path)
   (s1, v1), (s2, v2) = confirm.sequence()[:2]
-  stop(pub, confirm.run_name(s1, v1), 900, "a" * 64)
+  stop(pub, confirm.folder_name((s1, v1)), 900, "a" * 64)
   other = attempt("resume", from_step=900, from_digest="a" * 64)
   other["identity"]["cpu_id"] = "AuthenticAMD family 25 model 17"
   publish_run(pub, s1, v1, [attempt(), other])
   publish_run(pub, s2, v2, [attempt("restart", reason="gone")])
   found = confirm_audit.audit(pub, COMMIT)
   assert any("attempt 2 resumed on another host identity (cpu_id:" in b for b in found)
-  assert f"{confirm.run_name(s2, v2)}: a restart with no lost attempt recorded" in found
+  assert f"{confirm.folder_name((s2, v2))}: a restart with no lost attempt recorded" in found
 
 
 def test_a_failed_run_is_scored_at_the_epochs_it_reached(tmp_path):

@@ -105,7 +105,7 @@ def started_run(out, name, identity, step=429):
 def test_the_rule_resumes_on_the_same_host_else_restarts(tmp_path):
   out, pub = str(tmp_path / "out"), str(tmp_path / "pub")
   due = confirm.sequence()[0]
-  name = confirm.run_name(*due)
+  name = confirm.folder_name(due)
   assert confirm_run.plan_attempt(out, pub, due, HERE) == {"kind": "start"}
   folder = started_run(out, name, HERE)
   step, paths = confirm_run.newest_checkpoint(folder)
@@ -131,7 +131,7 @@ def test_a_restart_is_refused_without_the_flag_and_keeps_the_old_folder(tmp_path
                                                                         monkeypatch):
   monkeypatch.setenv(confirm_run.UNCHECKED, "1")
   out, pub = str(tmp_path / "out"), str(tmp_path / "pub")
-  name = confirm.run_name(*confirm.sequence()[0])
+  name = confirm.folder_name(confirm.sequence()[0])
   started_run(out, name, dict(HERE, cpu="another CPU"))
   with pytest.raises(confirm_run.ConfirmError, match="pass --restart"):
     confirm_run.run_sequence(out, pub, confirm_run.SETTINGS, [], 1)
@@ -143,9 +143,9 @@ def test_a_restart_is_refused_without_the_flag_and_keeps_the_old_folder(tmp_path
 def test_runs_out_of_turn_are_refused(tmp_path, monkeypatch):
   monkeypatch.setenv(confirm_run.UNCHECKED, "1")
   out, pub = str(tmp_path / "out"), str(tmp_path / "pub")
-  third = confirm.run_name(*confirm.sequence()[2])
+  third = confirm.folder_name(confirm.sequence()[2])
   started_run(out, third, HERE)
-  due = confirm.run_name(*confirm.sequence()[0])
+  due = confirm.folder_name(confirm.sequence()[0])
   with pytest.raises(confirm_run.ConfirmError,
                      match=f"{third}: out of turn, {due} is due"):
     confirm_run.run_sequence(out, pub, confirm_run.SETTINGS, [], 1)

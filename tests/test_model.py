@@ -189,7 +189,7 @@ def test_routing_movement_uniform_and_one_hot():
   half = np.zeros([2, 4, 5])
   half[:, :, :2] = 0.5
   with tf.Graph().as_default(), tf.compat.v1.Session() as sess:
-    got = sess.run(evaluation.routing_movement(
+    got = sess.run(evaluation.couplings_moved(
         [tf.constant(c, tf.float32) for c in (uniform, one_hot, half)]))
   assert got["entropy"].shape == (2, 3) and got["max_c"].shape == (2, 3)
   np.testing.assert_allclose(got["entropy"], [[np.log(5), 0.0, np.log(2)]] * 2, rtol=1e-6,

@@ -84,7 +84,7 @@ def test_every_confirmatory_attempt_ran_checked_fp32_from_the_registration_commi
     pytest.skip("no git history of docs/confirm.lock (a checkout without it)")
   done, _ = confirm.progress(CONFIRM)
   names = sorted(n for n in os.listdir(CONFIRM) if os.path.isdir(os.path.join(CONFIRM, n)))
-  assert names == sorted(confirm.run_name(*r) for r in done), "published runs out of turn"
+  assert names == sorted(confirm.folder_name(r) for r in done), "published runs out of turn"
   for name in names:
     folder = runs.RunFolder(os.path.join(CONFIRM, name))
     attempts = folder.read_json(runs.HOST_FILE)["attempts"]

@@ -18,7 +18,7 @@ def build(cfg, batch_size, device=None, task=None, routing_stats=False):
   """An `EvalGraph`: the eval pipeline of `task` (default MNIST's) on the CPU,
   placeholders fed at `iterator.initializer`, and
   `network.forward(training=False)` on `device`; `routing_stats` (eval.py) adds
-  the per-example `routing_movement`."""
+  the per-example `couplings_moved`."""
   task = task or tasks.get(tasks.DEFAULT)
   pipe = task.eval_pipeline([cfg.image_size, cfg.image_size, cfg.image_channels],
                             batch_size)
@@ -27,12 +27,12 @@ def build(cfg, batch_size, device=None, task=None, routing_stats=False):
     outputs = network.forward(batch_images, batch_labels, cfg, training=False,
                             device=device, targets=batch_targets,
                             heads=task.heads)
-    routing = routing_movement(outputs.couplings) if routing_stats else None
+    routing = couplings_moved(outputs.couplings) if routing_stats else None
   return EvalGraph(pipe.images, pipe.labels, pipe.iterator, outputs, batch_images,
                    pipe.targets, routing, task)
 
 
-def routing_movement(couplings):
+def couplings_moved(couplings):
   """{"entropy", "max_c": `[batch, iterations]`}: `network.routing_movement` of
   each iteration's couplings, in float64."""
   moved = [network.routing_movement(tf.cast(c, tf.float64)) for c in couplings]

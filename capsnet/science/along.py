@@ -40,10 +40,6 @@ SMALL_FILES = (runs.CONFIG_FILE, runs.METRICS_FILE, runs.DIAGNOSTICS_FILE,
 TITLE = "The stop_gradient question along training (docs/along.md)"
 
 
-def run_name(variant, seed):
-  return f"{variant}_seed{seed}"
-
-
 def scored(folder):
   """along_results.json of a run ({epoch: {...}}, keys as strings), or {}."""
   return runs.RunFolder(folder).read_json(RESULTS_FILE) or {}
@@ -99,7 +95,7 @@ def run_block(out, seed, settings, publish, extra=()):
   """Trains (or resumes) in `out` and scores one seed's three runs,
   publishing each."""
   for variant, spec in VARIANTS.items():
-    folder = os.path.join(out, run_name(variant, seed))
+    folder = study_report.run_dir(out, variant, seed)
     if not study_report.is_complete(folder, settings["epochs"]):
       grids.run_one(spec, seed, folder, settings,
                     [f"--keep_epochs={','.join(str(e) for e in settings['kept'])}",
@@ -170,7 +166,7 @@ def collect(out, seeds, kept):
   found = {}
   for variant in VARIANTS:
     for seed in seeds:
-      folder = os.path.join(out, run_name(variant, seed))
+      folder = study_report.run_dir(out, variant, seed)
       if os.path.isdir(folder):
         m = measures(folder, kept)
         if m:

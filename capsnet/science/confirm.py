@@ -69,8 +69,10 @@ def table_lines():
   return lines
 
 
-def run_name(seed, variant):
-  return along.run_name(variant, seed)
+def folder_name(run):
+  """The folder of a run of the sequence, (seed, variant)."""
+  seed, variant = run
+  return study_report.run_name(variant, seed)
 
 
 def partway_rows(publish):
@@ -100,7 +102,7 @@ def progress(publish):
   or None once all have ended)."""
   done = []
   for seed, variant in sequence():
-    if ended(os.path.join(publish, run_name(seed, variant))) is None:
+    if ended(os.path.join(publish, folder_name((seed, variant)))) is None:
       return done, (seed, variant)
     done.append((seed, variant))
   return done, None
@@ -198,7 +200,7 @@ def block_facts(folder, seed):
   (a field the three runs do not share is listed with " / " between)."""
   seen = {}
   for variant in along.VARIANTS:
-    run = runs.RunFolder(os.path.join(folder, along.run_name(variant, seed)))
+    run = runs.RunFolder(os.path.join(folder, study_report.run_name(variant, seed)))
     host, config = run.read_json(runs.HOST_FILE) or {}, run.config() or {}
     started = host.get("started", {})
     for key, value in (("host", started.get("cpu")), ("kind", host_kind(host)),
@@ -373,7 +375,7 @@ def progress_report(out, blocks, folder):
   stops = partway_rows(out)
   rows, payload_runs = [], []
   for position, (seed, variant) in enumerate(sequence(), 1):
-    name = run_name(seed, variant)
+    name = folder_name((seed, variant))
     path = os.path.join(out, name)
     if (seed, variant) in done:
       state = ended(path)
@@ -393,7 +395,7 @@ def progress_report(out, blocks, folder):
            f"{len(SEEDS)} blocks complete", "",
            "Progress only: no difference and no interval is shown until all sixteen "
            "blocks are in (docs/confirm.md).", "",
-           f"Next due: {run_name(*due) if due else 'none'}. Part-way stops recorded: "
+           f"Next due: {folder_name(due) if due else 'none'}. Part-way stops recorded: "
            f"{len(stops)}.", ""]
   lines += study_report.table(["#", "run", "state", "host", "attempts"], rows)
   text = "\n".join(lines) + "\n"
@@ -402,7 +404,7 @@ def progress_report(out, blocks, folder):
   files.atomic_write(os.path.join(folder, "results.json"), json.dumps(
       {"title": TITLE, "final": False, "runs_done": n_done, "runs": payload_runs,
        "blocks_complete": blocks, "partway_stops": len(stops),
-       "next_due": run_name(*due) if due else None}, indent=1, sort_keys=True) + "\n")
+       "next_due": folder_name(due) if due else None}, indent=1, sort_keys=True) + "\n")
   if os.path.exists(os.path.join(folder, "confirm.png")):
     os.remove(os.path.join(folder, "confirm.png"))
   return text

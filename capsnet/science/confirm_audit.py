@@ -6,6 +6,7 @@ from capsnet.running import runs
 from capsnet.science import along
 from capsnet.science import confirm
 from capsnet.science import confirm_run
+from capsnet.science import report as study_report
 
 REGISTERED = {"dataset": "mnist", "val_size": 5000, "train_size": 0, "batch_size": 128,
               "learning_rate": 1e-3, "decay_steps": 2000, "decay_rate": 0.96,
@@ -20,7 +21,7 @@ NOT_LAYERS = ("precision", "conv_impl", "conv_plan")
 def _paper_layers(variant):
   """The pilot's (study/along, seed 0) model fields of the variant: the
   paper's layers as the protocol trains them."""
-  pilot = runs.RunFolder(os.path.join(confirm.PILOT, along.run_name(variant, 0))).config()
+  pilot = runs.RunFolder(study_report.run_dir(confirm.PILOT, variant, 0)).config()
   return {k: v for k, v in (pilot or {}).get("model", {}).items() if k not in NOT_LAYERS}
 
 
@@ -35,17 +36,17 @@ def audit(publish, registered, page=None):
     stops = confirm.partway_rows(publish)
   except runs.RunError as e:
     return breaches + [str(e)]
-  names = {confirm.run_name(*r): r for r in confirm.sequence()}
+  names = {confirm.folder_name(r): r for r in confirm.sequence()}
   present = sorted(n for n in os.listdir(publish) if os.path.isdir(os.path.join(publish, n))
                    ) if os.path.isdir(publish) else []
   done, due = confirm.progress(publish)
-  in_order = [confirm.run_name(*r) for r in done]
+  in_order = [confirm.folder_name(r) for r in done]
   for name in present:
     if name not in names:
       breaches.append(f"{name}: not a run of the registered sequence")
     elif name not in in_order:
       breaches.append(f"{name}: published out of turn (the sequence's next due is "
-                      f"{confirm.run_name(*due) if due else 'none'})")
+                      f"{confirm.folder_name(due) if due else 'none'})")
   for row in stops:
     if row.get("run") not in names:
       breaches.append(f"{confirm.PARTWAY_FILE}: a stop of {row.get('run')!r}, not a run of "

@@ -156,12 +156,12 @@ def check_turn(publish, out, due):
   `out`: the sequence is taken in order."""
   later = confirm.sequence()[confirm.sequence().index(due) + 1:] if due else []
   for seed, variant in later:
-    name = confirm.run_name(seed, variant)
+    name = confirm.folder_name((seed, variant))
     if os.path.exists(os.path.join(publish, name)):
       raise ConfirmError(f"{publish}/{name}: published out of turn, "
-                         f"{confirm.run_name(*due)} is due")
+                         f"{confirm.folder_name(due)} is due")
     if os.path.exists(os.path.join(out, name)):
-      raise ConfirmError(f"{out}/{name}: out of turn, {confirm.run_name(*due)} is due (the "
+      raise ConfirmError(f"{out}/{name}: out of turn, {confirm.folder_name(due)} is due (the "
                          "sequence, docs/confirm.md)")
 
 
@@ -207,7 +207,7 @@ def _started(folder):
 def plan_attempt(out, publish, due, now):
   """What the due run's attempt is: {"kind": start | resume | restart, ...}
   by the page's rule (`now`: this host's identity)."""
-  name = confirm.run_name(*due)
+  name = confirm.folder_name(due)
   folder = os.path.join(out, name)
   stops = [r for r in confirm.partway_rows(publish) if r.get("run") == name]
   if os.path.isdir(folder) and _started(folder):
@@ -367,7 +367,7 @@ def run_due(children, out, publish, commit, settings, extra, restart=False):
   done, due = confirm.progress(publish)
   check_turn(publish, out, due)
   seed, variant = due
-  name = confirm.run_name(seed, variant)
+  name = confirm.folder_name((seed, variant))
   folder = os.path.join(out, name)
   now = identity()
   attempt = plan_attempt(out, publish, due, now)

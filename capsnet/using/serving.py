@@ -46,7 +46,7 @@ def classify(cfg, ckpt, images, weights="auto"):
   with tf.Graph().as_default():
     images_in, outputs, couplings = _graph(cfg)
     outputs["couplings"] = tf.stack(couplings, axis=1)
-    outputs["routing_entropy"] = evaluation.routing_movement(couplings)["entropy"]
+    outputs["routing_entropy"] = evaluation.couplings_moved(couplings)["entropy"]
     with tf.compat.v1.Session() as sess:
       _restore(sess, ckpt, weights)
       return sess.run(outputs, {images_in: images})
