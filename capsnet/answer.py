@@ -22,7 +22,7 @@ def define_flags():
       os.path.abspath(__file__))), "study"), "the folder of short/, along/ and table1/")
   flags.DEFINE_string("out", None, "where answer.md and answer.json go "
                       "(default: --study)")
-  flags.DEFINE_list("protocols", list(answer.PROTOCOLS), "the protocols whose results the "
+  flags.DEFINE_list("protocols", list(answer.ANSWERED), "the protocols whose results the "
                     "answer puts side by side (leave one out only on purpose: a "
                     "missing one is an error)")
 

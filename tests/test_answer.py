@@ -11,6 +11,7 @@ from test_along import blocks  # noqa: F401 (a fixture)
 
 from capsnet.science import along
 from capsnet.science import answer
+from capsnet.science import protocols
 from capsnet.science import stats
 from conftest import ROOT
 
@@ -40,7 +41,7 @@ def study(tmp_path, blocks):  # noqa: F811
   (root / "short").mkdir(parents=True)
   (root / "table1").mkdir()
   (root / "short" / "results.json").write_text(json.dumps(
-      {"rows": grid_rows(answer.SHORT_DECAY_STEPS, [0, 1, 2]), "comparisons": []}))
+      {"rows": grid_rows(protocols.SHORT.decay_steps, [0, 1, 2]), "comparisons": []}))
   (root / "table1" / "results.json").write_text(json.dumps(
       {"rows": grid_rows(2000, [0]), "comparisons": []}))
   found = along.collect(blocks, range(5), along.KEPT)

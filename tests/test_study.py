@@ -11,6 +11,7 @@ import pytest
 
 from capsnet.running import runs
 from capsnet.science import grids
+from capsnet.science import protocols
 from capsnet.science import report
 from capsnet.science import stats
 from conftest import ROOT
@@ -350,7 +351,7 @@ def test_short_protocol_tables_compare_its_three_measures(tmp_path):
   np.testing.assert_allclose(stop["measures"]["affine_error"]["values"], [3.0, 3.2, 3.1])
   assert stop["measures"]["test_margin_loss"]["mean"] == pytest.approx(0.0205)
   pairs = grids.parse_pairs(["r3_recon:r3_recon_nostop"], grids.GRIDS["short"].variants)
-  comparisons = report.compare(rows, pairs, report.SHORT_FIGURES)
+  comparisons = report.compare(rows, pairs, protocols.SHORT_MEASURES)
   (c,) = comparisons
   assert c["test_error"]["called"] and c["test_margin_loss"]["called"]
   assert not c["affine_error"]["called"]
@@ -396,10 +397,10 @@ def test_short_report_shows_ties_and_the_selection_free_loss(tmp_path):
   assert run["tied_steps"] == [20, 30] and run["selected_step"] == 20
   assert run["last_val_loss"] == pytest.approx(0.040)
   pairs = [("r3_recon", "r3_recon_nostop")]
-  descriptive = report.compare(rows, pairs, report.SELECTION_FREE)
+  descriptive = report.compare(rows, pairs, protocols.SELECTION_FREE)
   assert descriptive[0]["last_val_loss"]["diffs"] == pytest.approx([-0.001, -0.001])
   text = report.markdown(rows, grids.GRIDS["short"],
-                         report.compare(rows, pairs, report.SHORT_FIGURES), descriptive)
+                         report.compare(rows, pairs, protocols.SHORT_MEASURES), descriptive)
   assert "| r3_recon_decay14_seed1 | 20 | 20, 30 | 0.04000 |" in text
   assert "validation loss at the last step (selection-free; descriptive)" in text
 

@@ -6,13 +6,9 @@ import os
 
 from capsnet.running import files
 from capsnet.running import runs
-from capsnet.running import schedule
+from capsnet.science import protocols
 from capsnet.science import report
 from capsnet.science import stats
-
-PAIRS = (("r3_recon", "r3_recon_nostop", "the stop: nostop - stop"),
-         ("r1_recon", "r3_recon", "routing with the stop: r3 - r1"),
-         ("r1_recon", "r3_recon_nostop", "routing without it: r3 nostop - r1"))
 
 MEASURES = (("test_margin_loss", "mean test margin loss (the protocols' primary "
              "measure)", "+.5f"),
@@ -20,9 +16,7 @@ MEASURES = (("test_margin_loss", "mean test margin loss (the protocols' primary 
 
 ROUTED = ("r3_recon", "r3_recon_nostop")   # the variants whose couplings move
 
-PROTOCOLS = ("short", "along", "table1")   # study/<protocol>/results.json, shortest first
-
-SHORT_DECAY_STEPS = 14                     # the short protocol's compressed schedule
+ANSWERED = ("short", "along", "table1")   # study/<name>/results.json, shortest first
 
 
 def _read(study, protocol):
@@ -47,7 +41,7 @@ def _grid_row(label, selection, runs_by_variant):
   """A seeded grid's row: each pair's paired differences, the routed variants'
   mean largest coupling after the last iteration and their last gradient share."""
   row = {"length": label, "selection": selection, "pairs": {}, "mechanism": {}}
-  for a, b, _ in PAIRS:
+  for a, b, _ in protocols.STOP_PAIRS:
     row["pairs"][f"{a}:{b}"] = {
         key: stats.paired_difference(
             *({s: x[key] for s, x in runs_by_variant.get(v, {}).items()} for v in (a, b)))
@@ -62,20 +56,20 @@ def _grid_row(label, selection, runs_by_variant):
   return row
 
 
-def rows(study, protocols=PROTOCOLS):
-  """The rows from <study>/<protocol>/results.json of `protocols`. Raises
+def rows(study, names=ANSWERED):
+  """The rows from <study>/<name>/results.json of the protocols `names`. Raises
   RunError naming a missing or damaged file, ValueError for none or an unknown
   protocol."""
-  unknown = [p for p in protocols if p not in PROTOCOLS]
-  if unknown or not protocols:
-    raise ValueError(f"--protocols={','.join(protocols)}: expected one or more of "
-                     f"{','.join(PROTOCOLS)}")
+  unknown = [p for p in names if p not in ANSWERED]
+  if unknown or not names:
+    raise ValueError(f"--protocols={','.join(names)}: expected one or more of "
+                     f"{','.join(ANSWERED)}")
   out = []
-  short = _read(study, "short") if "short" in protocols else None
+  short = _read(study, "short") if "short" in names else None
   if short:
     out.append(_grid_row("5 epochs, compressed schedule", "best validation",
-                         _from_rows(short["rows"], SHORT_DECAY_STEPS)))
-  along = _read(study, "along") if "along" in protocols else None
+                         _from_rows(short["rows"], protocols.SHORT.decay_steps)))
+  along = _read(study, "along") if "along" in names else None
   if along:
     for epoch in along["kept_epochs"]:
       row = {"length": f"epoch {epoch}, paper's schedule", "selection": "none",
@@ -92,11 +86,11 @@ def rows(study, protocols=PROTOCOLS):
                                "grad_share": report.mean_or_none(m.get("grad_share") for m in per),
                                "n": len(per)}
       out.append(row)
-  table1 = _read(study, "table1") if "table1" in protocols else None
+  table1 = _read(study, "table1") if "table1" in names else None
   if table1:
     found = table1["rows"] if isinstance(table1, dict) else table1
     out.append(_grid_row("50 epochs, paper's schedule", "best validation",
-                         _from_rows(found, schedule.DECAY_STEPS)))
+                         _from_rows(found, protocols.TABLE1.decay_steps)))
   return out
 
 
@@ -109,10 +103,11 @@ def markdown(table):
            "lower loss or error. n = 1: one pair, no interval, nothing called.", ""]
   for key, what, spec in MEASURES:
     lines += [f"## {what}", ""] + report.table(
-        ["training", "checkpoint chosen on", *(f"{name} ({a}:{b})" for a, b, name in PAIRS)],
+        ["training", "checkpoint chosen on",
+         *(f"{name} ({a}:{b})" for a, b, name in protocols.STOP_PAIRS)],
         [[row["length"], row["selection"], *(
             stats.cell(row["pairs"].get(f"{a}:{b}", {}).get(key), spec, "–", show_n=True)
-            for a, b, _ in PAIRS)]
+            for a, b, _ in protocols.STOP_PAIRS)]
          for row in table]) + [""]
   lines += ["## How far routing moves the couplings (descriptive)", "",
             "Mean largest coupling after the last of three iterations on the test "
@@ -130,11 +125,11 @@ def markdown(table):
   return "\n".join(lines) + "\n"
 
 
-def write(study, out=None, protocols=PROTOCOLS):
+def write(study, out=None, names=ANSWERED):
   """answer.md and answer.json into `out` (default `study`), nothing if a
   protocol's results are missing or damaged; returns the markdown."""
   out = out or study
-  table = rows(study, protocols)
+  table = rows(study, names)
   text = markdown(table)
   os.makedirs(out, exist_ok=True)
   files.atomic_write(os.path.join(out, "answer.md"), text)

@@ -10,47 +10,12 @@ import sys
 from capsnet.data import tasks
 from capsnet.running import host
 from capsnet.running import runs
+from capsnet.science import protocols
 from capsnet.science import report
 
-# Weight averaging of the variants that use it: a time constant of 1,000
-# steps, about 2.3 epochs of 429 steps.
-EMA_DECAY = 0.999
-
-_RECON = dict(stop_gradient=True, use_decoder=True)
-
-GRIDS = {g.name: g for g in (
-    report.Grid("stop_gradient", "CapsNet on MNIST: routing variants", {
-        "r1": dict(iter_routing=1, stop_gradient=True),
-        "r2_stop": dict(iter_routing=2, stop_gradient=True),
-        "r2_nostop": dict(iter_routing=2, stop_gradient=False),
-        "r3_stop": dict(iter_routing=3, stop_gradient=True),
-        "r3_nostop": dict(iter_routing=3, stop_gradient=False)}),
-    report.Grid("table1", "CapsNet on MNIST: the rows of Table 1", {
-        "r1_norecon": dict(iter_routing=1, stop_gradient=True, use_decoder=False),
-        "r1_recon": dict(iter_routing=1, **_RECON),
-        "r3_norecon": dict(iter_routing=3, stop_gradient=True, use_decoder=False),
-        "r3_recon": dict(iter_routing=3, **_RECON),
-        "r3_recon_nostop": dict(iter_routing=3, stop_gradient=False, use_decoder=True),
-        # The official code's loss balance (reconstruction 0.01 against
-        # the summed margin loss), then also its layers; both average weights.
-        "r3_recon_balance": dict(iter_routing=3, **_RECON, recon_weight=0.01,
-                                 ema_decay=EMA_DECAY),
-        "r3_recon_official": dict(iter_routing=3, **_RECON, recon_weight=0.01,
-                                  capsule_layers="official", ema_decay=EMA_DECAY)}),
-    # The short protocol (docs/short.md): the stop_gradient question in runs
-    # that fit a sitting, 5 epochs with --decay_steps=14, blocks of seeds; its
-    # three measures, each finished run scored on the affine sets.
-    report.Grid("short", "CapsNet on MNIST: the short protocol (5 epochs)", {
-        "r1_recon": dict(iter_routing=1, **_RECON),
-        "r3_recon": dict(iter_routing=3, **_RECON),
-        "r3_recon_nostop": dict(iter_routing=3, stop_gradient=False, use_decoder=True)},
-        measures=report.SHORT_FIGURES, unit="block", affine=True,
-        descriptive=report.SELECTION_FREE, within=True,
-        note=" (nine intervals at 95% each, not corrected for multiplicity)"),
-    # Section 6: an epoch is 55,000 pairs drawn on the fly.
-    report.Grid("multimnist", "CapsNet on MultiMNIST (both digits right)", {
-        "r3_recon": dict(iter_routing=3, **_RECON, dataset="multimnist")}),
-)}
+# The protocols whose runs are a grid of variants by seed (`capsnet.study`).
+GRIDS = {name: protocols.PROTOCOLS[name]
+         for name in ("stop_gradient", "table1", "short", "multimnist")}
 
 AFFINE_SWEEP = tuple(range(0, 50, 5))   # the severity sweep's largest rotations
 

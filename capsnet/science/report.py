@@ -1,7 +1,7 @@
 """A study's report, from its runs' files alone: each run's figures
 (`describe_run`), a row per variant (`summarize`), paired comparisons
 (`compare`), the tables (`markdown`) and the plots, written by `report` into a
-folder with results.md and results.json. A `Grid` says how it is shown."""
+folder with results.md and results.json. A `protocols.Protocol` says how it is shown."""
 import contextlib
 import dataclasses
 import io
@@ -12,9 +12,8 @@ from capsnet.data import tasks
 from capsnet.running import files
 from capsnet.running import runs
 from capsnet.running import schedule
+from capsnet.science import protocols
 from capsnet.science import stats
-
-LAST_EPOCHS = 10   # the decision rule's late validation figure: mean of the last 10
 
 SHIPPED = "shipped"   # <out>/shipped/: the shipped weights' affine results
 
@@ -79,8 +78,8 @@ def describe_run(folder, epochs):
       "selected_step": (runs.step_of(test["checkpoint"]) if "checkpoint" in test
                         else None),
       "tied_steps": _tied_steps(val, key),
-      "last_val_error": (statistics.mean(epoch_val[-LAST_EPOCHS:])
-                         if complete and len(epoch_val) >= LAST_EPOCHS else None),
+      "last_val_error": (statistics.mean(epoch_val[-protocols.LAST_EPOCHS:])
+                         if complete and len(epoch_val) >= protocols.LAST_EPOCHS else None),
       "routing": run.read_json(runs.ROUTING_FILE) if complete else None,
       "images_per_sec": statistics.mean(m["images_per_sec"] for m in epoch_rows),
       "train_wall_s": round(wall, 1),
@@ -110,7 +109,7 @@ def _better_weights(rows):
     return "raw"
   def figures(key):
     errors = [m[key] for m in rows if key in m]
-    return (min(errors), statistics.mean(errors[-LAST_EPOCHS:]))
+    return (min(errors), statistics.mean(errors[-protocols.LAST_EPOCHS:]))
   return ("averaged" if figures("val_error_percent_averaged")
           < figures("val_error_percent") else "raw")
 
@@ -145,7 +144,7 @@ def summarize(out, grid, variants, seeds, epochs, schedules=(schedule.DECAY_STEP
         "last_val_error_mean": statistics.mean(lasts) if lasts else None,
         "last_val_error_std": statistics.stdev(lasts) if len(lasts) > 1 else None,
         "images_per_sec": statistics.mean(r["images_per_sec"] for r in runs),
-        "measures": {key: _spread([r[key] for r in done]) for key in MEASURES},
+        "measures": {key: _spread([r[key] for r in done]) for key in SUMMARIZED},
         "diag": {key: tuple(mean_or_none(r["diag"][key][i] for r in runs)
                             for i in (0, 1))
                  for key in ("digit_caps/weights", "conv1/weights")},
@@ -155,7 +154,7 @@ def summarize(out, grid, variants, seeds, epochs, schedules=(schedule.DECAY_STEP
 
 
 # Per-run figures that summarize() also gives per variant (mean, std).
-MEASURES = ("test_error", "test_margin_loss", "affine_error")
+SUMMARIZED = ("test_error", "test_margin_loss", "affine_error")
 
 
 def _spread(values):
@@ -170,38 +169,8 @@ def mean_or_none(values):
   return statistics.mean(values) if values else None
 
 
-# The figures a comparison pairs: (run key, what it is); the short
-# protocol's are its three measures (docs/short.md).
-FIGURES = (("test_error", "test error of the best-validation checkpoint, %"),
-           ("last_val_error", f"mean validation error of the last {LAST_EPOCHS} epochs, %"))
-
-SHORT_FIGURES = (("test_error", "test error, %"),
-                 ("test_margin_loss", "mean test margin loss per example"),
-                 ("affine_error", "affine-test error, %"))
-
-# Beside the short protocol's registered measures, not part of its rule: a
-# figure no checkpoint choice touches.
-SELECTION_FREE = (("last_val_loss", "validation loss at the last step "
-                   "(selection-free; descriptive)"),)
-
-
-@dataclasses.dataclass(frozen=True)
-class Grid:
-  """A grid of variants and how its report shows them."""
-  name: str
-  title: str                # the validation plot's title
-  variants: dict            # variant: the train.py flags that make it
-  measures: tuple = FIGURES  # (run key, label): what pairs of variants compare
-  unit: str = "seed"        # what pairs two runs: a seed, or a block (of seeds)
-  affine: bool = False      # finished runs scored on the affine sets: their
-                            # table of the measures and affine.png
-  descriptive: tuple = ()   # compared beside the measures, not part of a rule
-  note: str = ""            # after the comparisons' heading
-  within: bool = False      # an interval that holds zero reads "within [lo, hi]"
-
-
-def compare(rows, pairs, figures=FIGURES):
-  """Paired differences B - A by seed of `figures` ((run key, label) pairs) for
+def compare(rows, pairs, figures=protocols.BEST_VALIDATION):
+  """Paired differences B - A by seed of `figures` ((key, label, format)) for
   each (A, B) of `pairs`, at each decay period both have in `rows`: a dict per
   pair and period, each figure's `stats.paired_difference` or None."""
   by_key = {(r["variant"], r["decay_steps"]): r for r in rows}
@@ -212,7 +181,7 @@ def compare(rows, pairs, figures=FIGURES):
       if name != a or row_b is None:
         continue
       result = {"a": a, "b": b, "decay_steps": decay_steps}
-      for key, _ in figures:
+      for key, _, _ in figures:
         per_seed = [{x["seed"]: x[key] for x in row["runs"] if x["complete"]}
                     for row in (row_a, row_b)]
         result[key] = stats.paired_difference(*per_seed)
@@ -297,7 +266,7 @@ def _seed_table(rows):
   return ["", "Both figures of the decision rule over the finished seeds (mean ± "
           "sample std):", ""] + table(
               ["variant", "lr decay every", "seeds", "test error %", "per seed",
-               f"mean val error of the last {LAST_EPOCHS} epochs %", "per seed"],
+               f"mean val error of the last {protocols.LAST_EPOCHS} epochs %", "per seed"],
               [row(r) for r in rows])
 
 
@@ -335,9 +304,6 @@ def _affine_table(rows):
 
 
 # The format of a figure's differences (the others: +.3f).
-SPECS = {"test_margin_loss": "+.5f", "last_val_loss": "+.5f"}
-
-
 def _selection_table(rows, grid, descriptive):
   """Where the best-checkpoint ties fell, and the `grid`'s descriptive
   figures' paired comparisons (`descriptive`); [] without them."""
@@ -363,12 +329,12 @@ def _comparison_table(comparisons, grid):
   if not comparisons:
     return []
   unit = grid.unit
-  losses = any("loss" in key for key, _ in grid.measures)
+  losses = any("loss" in key for key, _, _ in grid.measures)
   lines = ["", f"Paired comparisons, B - A by {unit} (positive: A has the lower error"
            + (" or loss" if losses else "") + "); 95% interval mean ± t(0.975, n-1) "
            "sd / sqrt(n); called only when it excludes zero" + grid.note + ":", ""]
-  def row(c, key, label):
-    d, spec = c[key], SPECS.get(key, "+.3f")
+  def row(c, key, label, spec):
+    d = c[key]
     if d is None:
       return [c["a"], c["b"], c["decay_steps"], label, 0, "–", "–", "–",
               stats.verdict(d, spec=spec, within=grid.within)]
@@ -379,8 +345,8 @@ def _comparison_table(comparisons, grid):
             stats.verdict(d, spec=spec, within=grid.within)]
   return lines + table(["A", "B", "lr decay every", "figure", f"{unit}s",
                         f"B - A per {unit}", "mean", "95% interval", "verdict"],
-                       [row(c, key, label) for c in comparisons
-                        for key, label in grid.measures])
+                       [row(c, *measure) for c in comparisons
+                        for measure in grid.measures])
 
 
 def _routing_table(rows):

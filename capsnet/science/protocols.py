@@ -1,0 +1,115 @@
+"""Each study protocol as one declaration (`Protocol`): everything its
+registration fixes (variants, seeds, epochs and schedule, kept epochs,
+measures, the pairs it compares, its primary and secondary, precision) and
+how its report shows it. Programs, reports, the answer across protocols and
+the docs' tests read them here; nothing restates them (docs/studies.md)."""
+import dataclasses
+
+from capsnet.running import schedule
+
+# Weight averaging of the variants that use it: a time constant of 1,000
+# steps, about 2.3 epochs of 429 steps.
+EMA_DECAY = 0.999
+
+_RECON = dict(stop_gradient=True, use_decoder=True)
+
+# The stop_gradient question's three variants, the same flags in every
+# protocol that asks it, and its three pairs (A, B, what B - A is).
+STOP_VARIANTS = {
+    "r1_recon": dict(iter_routing=1, **_RECON),
+    "r3_recon": dict(iter_routing=3, **_RECON),
+    "r3_recon_nostop": dict(iter_routing=3, stop_gradient=False, use_decoder=True)}
+STOP_PAIRS = (("r3_recon", "r3_recon_nostop", "the stop: nostop - stop"),
+              ("r1_recon", "r3_recon", "routing with the stop: r3 - r1"),
+              ("r1_recon", "r3_recon_nostop", "routing without it: r3 nostop - r1"))
+
+LAST_EPOCHS = 10   # the late validation figure: the mean of the last 10 epochs
+
+# Measures: (a run's key, what it is, its format).
+BEST_VALIDATION = (
+    ("test_error", "test error of the best-validation checkpoint, %", "+.3f"),
+    ("last_val_error", f"mean validation error of the last {LAST_EPOCHS} epochs, %", "+.3f"))
+SHORT_MEASURES = (("test_error", "test error, %", "+.3f"),
+                  ("test_margin_loss", "mean test margin loss per example", "+.5f"),
+                  ("affine_error", "affine-test error, %", "+.3f"))
+# Beside the short protocol's registered measures, not part of its rule: a
+# figure no checkpoint choice touches.
+SELECTION_FREE = (("last_val_loss", "validation loss at the last step "
+                   "(selection-free; descriptive)", "+.5f"),)
+ALONG_MEASURES = (("test_margin_loss", "mean test margin loss (primary)", "+.5f"),
+                  ("test_error", "test error, %", "+.3f"),
+                  ("affine_error", "affine-test error, %", "+.3f"),
+                  ("train_loss", "the epoch's training loss", "+.5f"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Protocol:
+  """A study: what its registration fixes and how its report shows it."""
+  name: str                 # study/<name>/, docs/<name>.md
+  title: str                # its report's (and validation plot's) title
+  variants: dict            # variant: the train.py flags that make it
+  measures: tuple = BEST_VALIDATION   # (key, what, format): what pairs compare
+  seeds: tuple = ()         # the registered seeds (blocks); () where the user picks
+  epochs: int = 0           # a run's epochs (0: the user picks)
+  decay_steps: int = schedule.DECAY_STEPS   # the learning rate's decay period
+  kept: tuple = ()          # epochs whose weights are kept and each scored once
+  pairs: tuple = ()         # (A, B, what B - A is)
+  primary: tuple = ()       # (A, B, what): the one registered hypothesis
+  secondary: tuple = ()     # ((A, B, what), ...): the corrected family
+  precision: str = ""       # the one precision of every run ("": the user's)
+  unit: str = "seed"        # what pairs two runs: a seed, or a block (of seeds)
+  affine: bool = False      # finished runs scored on the affine sets: their
+                            # table of the measures and affine.png
+  descriptive: tuple = ()   # compared beside the measures, not part of a rule
+  note: str = ""            # after the comparisons' heading
+  within: bool = False      # an interval that holds zero reads "within [lo, hi]"
+
+
+STOP_GRADIENT = Protocol("stop_gradient", "CapsNet on MNIST: routing variants", {
+    "r1": dict(iter_routing=1, stop_gradient=True),
+    "r2_stop": dict(iter_routing=2, stop_gradient=True),
+    "r2_nostop": dict(iter_routing=2, stop_gradient=False),
+    "r3_stop": dict(iter_routing=3, stop_gradient=True),
+    "r3_nostop": dict(iter_routing=3, stop_gradient=False)})
+
+# docs/table1.md: 50 epochs on the paper's schedule, best-validation checkpoint.
+TABLE1 = Protocol("table1", "CapsNet on MNIST: the rows of Table 1", {
+    "r1_norecon": dict(iter_routing=1, stop_gradient=True, use_decoder=False),
+    "r1_recon": STOP_VARIANTS["r1_recon"],
+    "r3_norecon": dict(iter_routing=3, stop_gradient=True, use_decoder=False),
+    "r3_recon": STOP_VARIANTS["r3_recon"],
+    "r3_recon_nostop": STOP_VARIANTS["r3_recon_nostop"],
+    # The official code's loss balance (reconstruction 0.01 against the
+    # summed margin loss), then also its layers; both average weights.
+    "r3_recon_balance": dict(iter_routing=3, **_RECON, recon_weight=0.01,
+                             ema_decay=EMA_DECAY),
+    "r3_recon_official": dict(iter_routing=3, **_RECON, recon_weight=0.01,
+                              capsule_layers="official", ema_decay=EMA_DECAY)},
+    epochs=50, pairs=STOP_PAIRS)
+
+# docs/short.md: the stop_gradient question in runs that fit a sitting, 5
+# epochs on a schedule compressed to a decay every 14 steps, blocks of seeds;
+# its three measures, each finished run scored on the affine sets.
+SHORT = Protocol("short", "CapsNet on MNIST: the short protocol (5 epochs)", STOP_VARIANTS,
+                 measures=SHORT_MEASURES, epochs=5, decay_steps=14, pairs=STOP_PAIRS,
+                 unit="block", affine=True, descriptive=SELECTION_FREE, within=True,
+                 note=" (nine intervals at 95% each, not corrected for multiplicity)")
+
+# docs/along.md: blocks of the three variants, 10 epochs on the paper's
+# schedule, the weights kept at four epochs, each scored once.
+ALONG = Protocol("along", "The stop_gradient question along training (docs/along.md)",
+                 STOP_VARIANTS, measures=ALONG_MEASURES, seeds=tuple(range(0, 5)), epochs=10,
+                 kept=(1, 2, 5, 10), pairs=STOP_PAIRS, unit="block")
+
+# docs/confirm.md: sixteen fresh blocks of the along protocol, fp32; the
+# primary and the Holm-corrected secondary pair on the test error at epoch 10.
+CONFIRM = Protocol("confirm", "The stop_gradient question, confirmatory (docs/confirm.md)",
+                   STOP_VARIANTS, measures=ALONG_MEASURES, seeds=tuple(range(5, 21)),
+                   epochs=10, kept=(1, 2, 5, 10), pairs=STOP_PAIRS, primary=STOP_PAIRS[0],
+                   secondary=STOP_PAIRS[1:], precision="fp32", unit="block")
+
+# Section 6: an epoch is 55,000 pairs drawn on the fly.
+MULTIMNIST = Protocol("multimnist", "CapsNet on MultiMNIST (both digits right)", {
+    "r3_recon": dict(STOP_VARIANTS["r3_recon"], dataset="multimnist")})
+
+PROTOCOLS = {p.name: p for p in (STOP_GRADIENT, TABLE1, SHORT, ALONG, CONFIRM, MULTIMNIST)}
