@@ -14,6 +14,7 @@ end). A stop signal saves the run, records its part-way state in the
 published folder and exits 128 + the signal. The report is computed from the
 run files alone; while blocks are missing it shows progress only.
 """
+import dataclasses
 import os
 import sys
 
@@ -21,7 +22,7 @@ from absl import app
 from absl import flags
 
 from capsnet.running import runs
-from capsnet.science import along
+from capsnet.science import blocks
 from capsnet.science import confirm
 from capsnet.science import confirm_audit
 from capsnet.science import confirm_run
@@ -40,9 +41,9 @@ def define_flags():
   flags.DEFINE_bool("restart", False, "run the due run again whole, in a fresh folder, "
                     "where the rule says so (its folder gone, or another host identity); "
                     "without it the command refuses")
-  flags.DEFINE_integer("epochs", along.EPOCHS, "epochs a run (registered: 10; only a "
+  flags.DEFINE_integer("epochs", confirm.CONFIRM.epochs, "epochs a run (registered: 10; only a "
                        f"test run, {confirm_run.UNCHECKED}=1, may change it)", lower_bound=1)
-  flags.DEFINE_list("kept", [str(e) for e in along.KEPT], "the kept epochs (registered: "
+  flags.DEFINE_list("kept", [str(e) for e in confirm.CONFIRM.kept], "the kept epochs (registered: "
                     "1,2,5,10; only a test run may change them)")
   flags.DEFINE_bool("power", False, "print the registered power computation from the "
                     "pilot's committed runs (study/along) and exit")
@@ -58,17 +59,18 @@ FLAGS = flags.FLAGS
 def main(argv):
   extra = argv[1:]     # everything after `--` goes to train.py (test runs: a small model)
   if FLAGS.train and confirm_run.checked():
-    registered = {"--epochs": (str(FLAGS.epochs), str(along.EPOCHS)),
-                  "--kept": (",".join(FLAGS.kept), ",".join(map(str, along.KEPT))),
+    registered = {"--epochs": (str(FLAGS.epochs), str(confirm.CONFIRM.epochs)),
+                  "--kept": (",".join(FLAGS.kept), ",".join(map(str, confirm.CONFIRM.kept))),
                   "-- (train.py's flags)": (" ".join(extra), "")}
     for flag, (value, expected) in registered.items():
       if value != expected:
         sys.exit(f"confirm: error: {flag}={value}: the registration fixes "
                  f"{expected or 'none'}")
   try:
-    kept = along.parse_kept(FLAGS.kept, FLAGS.epochs)
+    kept = blocks.parse_kept(FLAGS.kept, FLAGS.epochs)
   except ValueError as e:
     sys.exit(f"confirm: error: {e}")
+  protocol = dataclasses.replace(confirm.CONFIRM, epochs=FLAGS.epochs, kept=kept)
   if FLAGS.order:
     print("\n".join(confirm.table_lines()))
     return
@@ -76,9 +78,9 @@ def main(argv):
     return audit(FLAGS.publish)
   if FLAGS.power:
     try:
-      found = along.collect(FLAGS.pilot, confirm.PILOT_SEEDS, kept)
-      _, pilot_found = along.complete_blocks(found, kept)
-      print("\n".join(confirm.power_lines(pilot_found, kept)))
+      found = blocks.collect(FLAGS.pilot, confirm.PILOT_SEEDS, protocol)
+      _, pilot_found = blocks.complete_blocks(found, protocol)
+      print("\n".join(confirm.power_lines(pilot_found, protocol)))
     except (ValueError, runs.RunError) as e:
       sys.exit(f"confirm: error: --pilot={FLAGS.pilot}: {e}")
     return
@@ -87,16 +89,16 @@ def main(argv):
       sys.exit(f"confirm: error: --out={FLAGS.out}: no such folder (expected the "
                "protocol's runs, <variant>_seed<k>/)")
     try:
-      print(confirm.report(FLAGS.out, kept, FLAGS.pilot, FLAGS.out))
+      print(confirm.report(FLAGS.out, protocol, FLAGS.pilot, FLAGS.out))
     except (runs.RunError, confirm_run.ConfirmError) as e:
       sys.exit(f"confirm: error: {e}")
     return
-  settings = dict(confirm_run.SETTINGS, epochs=FLAGS.epochs, kept=kept)
+  settings = blocks.settings(protocol)
   try:
     status = confirm_run.run_sequence(FLAGS.out, FLAGS.publish, settings, extra, FLAGS.runs,
                                       FLAGS.restart)
     if status == 0:
-      print(confirm.report(FLAGS.publish, kept, FLAGS.pilot, FLAGS.publish))
+      print(confirm.report(FLAGS.publish, protocol, FLAGS.pilot, FLAGS.publish))
   except (runs.RunError, confirm_run.ConfirmError, OSError) as e:
     sys.exit(f"confirm: error: {e}")
   sys.exit(status)

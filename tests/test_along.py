@@ -12,13 +12,15 @@ import numpy as np
 import pytest
 
 from capsnet.science import along
+from capsnet.science import blocks
+from capsnet.science import protocols
 from capsnet.science import report as study_report
 from capsnet.science import stats
 from conftest import ROOT
 from conftest import SMALL
 from conftest import needs_mnist
 
-KEPT = along.KEPT
+ALONG = protocols.ALONG
 # The stop pair's margin-loss difference (nostop - stop) by registered epoch:
 # turning the stop off helps at epoch 1, is within noise at 2, hurts at 5 and 10.
 STOP_EFFECT = {1: -0.002, 2: 0.0, 5: 0.001, 10: 0.002}
@@ -39,7 +41,7 @@ def fake_run(folder, variant, seed):
       share = 0.0 if variant == "r1_recon" else step / 10000 + 0.01 * seed
       f.write(json.dumps({"step": step, "digit_caps/weights": share}) + "\n")
   results = {}
-  for epoch in KEPT:
+  for epoch in ALONG.kept:
     margin = 0.02 / epoch + 0.001 * seed + base * (STOP_EFFECT[epoch] + NOISE[seed])
     if epoch == 2 and variant == "r3_recon_nostop":
       margin += 0.003 * (seed - 2)          # a difference too noisy to call
@@ -48,23 +50,23 @@ def fake_run(folder, variant, seed):
         "test": {"count": 10000, "error_percent": 1.0 / epoch + 0.01 * seed,
                  "margin_loss_mean": margin, "routing_max_c": [0.1, 0.104, 0.105]},
         "affine": {"count": 10000, "error_percent": 4.0 / epoch + 0.01 * seed}}
-  with open(os.path.join(folder, along.RESULTS_FILE), "w") as f:
+  with open(os.path.join(folder, blocks.RESULTS_FILE), "w") as f:
     json.dump(results, f)
 
 
 @pytest.fixture
-def blocks(tmp_path):
+def block_runs(tmp_path):
   out = tmp_path / "along"
   for seed in range(5):
-    for variant in along.VARIANTS:
+    for variant in protocols.ALONG.variants:
       fake_run(str(out / study_report.run_name(variant, seed)), variant, seed)
   return str(out)
 
 
-def test_the_rule_by_hand_and_a_called_reversal(blocks):
-  found = along.collect(blocks, range(5), KEPT)
-  assert along.blocks_done(found, KEPT) == [0, 1, 2, 3, 4]
-  table, reversals = along.compare(found, KEPT)
+def test_the_rule_by_hand_and_a_called_reversal(block_runs):
+  found = blocks.collect(block_runs, range(5), ALONG)
+  assert blocks.blocks_done(found, ALONG) == [0, 1, 2, 3, 4]
+  table, reversals = blocks.compare(found, ALONG)
   stop = table[("r3_recon", "r3_recon_nostop")]["test_margin_loss"]
   for epoch in (1, 5, 10):
     diffs = [STOP_EFFECT[epoch] + n for n in NOISE]
@@ -89,11 +91,11 @@ def test_the_rule_by_hand_and_a_called_reversal(blocks):
   assert found["r1_recon"][3][5]["grad_share"] == 0.0
 
 
-def test_no_reversal_when_calls_agree(blocks):
-  found = along.collect(blocks, range(5), KEPT)
+def test_no_reversal_when_calls_agree(block_runs):
+  found = blocks.collect(block_runs, range(5), ALONG)
   for seeds in found["r3_recon_nostop"].values():
     seeds[1]["test_margin_loss"] += 0.01   # epoch 1 now on the same side as 5, 10
-  _, reversals = along.compare(found, KEPT)
+  _, reversals = blocks.compare(found, ALONG)
   assert reversals == []
 
 
@@ -106,9 +108,9 @@ def _along(*args):
 
 
 @pytest.mark.integration
-def test_report_from_the_files_and_again_the_same_bytes(blocks, tmp_path):
+def test_report_from_the_files_and_again_the_same_bytes(block_runs, tmp_path):
   pub = tmp_path / "pub"
-  proc = _along("--seeds=5", f"--out={blocks}", "--train=false", f"--publish={pub}")
+  proc = _along("--seeds=5", f"--out={block_runs}", "--train=false", f"--publish={pub}")
   assert proc.returncode == 0, proc.stderr[-2000:]
   text = (pub / "results.md").read_text()
   assert "5 block(s) (seeds 0, 1, 2, 3, 4)." in text and "interim" not in text
@@ -121,20 +123,20 @@ def test_report_from_the_files_and_again_the_same_bytes(blocks, tmp_path):
   assert payload["blocks"] == [0, 1, 2, 3, 4] and len(payload["comparisons"]) == 48
   assert (pub / "along.png").read_bytes()[:4] == b"\x89PNG"
   before = {p: (pub / p).read_bytes() for p in ("results.md", "results.json", "along.png")}
-  assert (open(os.path.join(blocks, "results.md")).read() == text)
-  proc = _along("--seeds=5", f"--out={blocks}", "--train=false", f"--publish={pub}")
+  assert (open(os.path.join(block_runs, "results.md")).read() == text)
+  proc = _along("--seeds=5", f"--out={block_runs}", "--train=false", f"--publish={pub}")
   assert proc.returncode == 0, proc.stderr[-2000:]
   assert {p: (pub / p).read_bytes() for p in before} == before
 
 
 @pytest.mark.integration
-def test_a_blocks_command_publishes_the_report_of_every_published_block(blocks, tmp_path):
+def test_a_blocks_command_publishes_the_report_of_every_published_block(block_runs, tmp_path):
   # Blocks 0-4 published; this command's folder holds block 4 alone (a
   # sitting's block run in its own folder).
   pub, out = tmp_path / "pub", tmp_path / "block4"
-  shutil.copytree(blocks, pub)
-  for variant in along.VARIANTS:
-    shutil.copytree(os.path.join(blocks, study_report.run_name(variant, 4)),
+  shutil.copytree(block_runs, pub)
+  for variant in protocols.ALONG.variants:
+    shutil.copytree(os.path.join(block_runs, study_report.run_name(variant, 4)),
                     out / study_report.run_name(variant, 4))
   os.makedirs(pub / "notes")          # a folder that is not a run is passed over
   proc = _along("--first_seed=4", "--seeds=1", f"--out={out}", "--train=false",
@@ -156,15 +158,15 @@ def test_a_blocks_command_publishes_the_report_of_every_published_block(blocks, 
   assert payload["blocks"] == [0, 1, 2, 3] and payload["incomplete_blocks"] == [4]
 
 
-def test_fewer_blocks_are_interim(blocks):
-  found = along.collect(blocks, range(3), KEPT)
-  table, reversals = along.compare(found, KEPT)
-  text = along.markdown(found, table, reversals, KEPT, len(along.blocks_done(found, KEPT)))
+def test_fewer_blocks_are_interim(block_runs):
+  found = blocks.collect(block_runs, range(3), ALONG)
+  table, reversals = blocks.compare(found, ALONG)
+  text = along.markdown(found, table, reversals, ALONG, len(blocks.blocks_done(found, ALONG)))
   assert "3 block(s) (seeds 0, 1, 2): **interim**" in text
 
 
 @pytest.mark.integration
-def test_refuses_a_folder_without_runs_and_names_a_damaged_row(blocks, tmp_path):
+def test_refuses_a_folder_without_runs_and_names_a_damaged_row(block_runs, tmp_path):
   empty = tmp_path / "empty"
   empty.mkdir()
   proc = _along(f"--out={empty}", "--train=false", f"--publish={tmp_path / 'pub'}")
@@ -174,12 +176,12 @@ def test_refuses_a_folder_without_runs_and_names_a_damaged_row(blocks, tmp_path)
       "<variant>_seed<k>/ folders with along_results.json: r1_recon, r3_recon, "
       "r3_recon_nostop)"]
   assert not (tmp_path / "pub").exists() and os.listdir(empty) == []
-  metrics = os.path.join(blocks, "r3_recon_seed2", "metrics.jsonl")
+  metrics = os.path.join(block_runs, "r3_recon_seed2", "metrics.jsonl")
   lines = open(metrics).read().splitlines(keepends=True)
   lines[3] = lines[3][:len(lines[3]) // 2] + "\n"
   with open(metrics, "w") as f:
     f.writelines(lines)
-  proc = _along(f"--out={blocks}", "--train=false", f"--publish={tmp_path / 'pub'}")
+  proc = _along(f"--out={block_runs}", "--train=false", f"--publish={tmp_path / 'pub'}")
   assert proc.returncode == 1
   assert len(proc.stderr.strip().splitlines()) == 1
   assert proc.stderr.startswith(f"along: error: {metrics}: line 4: not a JSON row")
@@ -201,28 +203,28 @@ def test_a_block_end_to_end_on_a_small_model(tmp_path):
   proc = _along("--seeds=1", "--epochs=2", "--kept=1,2", f"--out={out}",
                 f"--publish={pub}", "--", *SMALL, "--train_size=320")
   assert proc.returncode == 0, proc.stderr[-3000:]
-  for variant in along.VARIANTS:
+  for variant in protocols.ALONG.variants:
     run = out / study_report.run_name(variant, 0)
     assert sorted(p for p in os.listdir(run / "epochs") if p.endswith(".index")) == [
         "model.ckpt-10.index", "model.ckpt-20.index"]
-    results = json.loads((run / along.RESULTS_FILE).read_text())
+    results = json.loads((run / blocks.RESULTS_FILE).read_text())
     assert sorted(results) == ["1", "2"] and results["2"]["step"] == 20
     assert results["1"]["test"]["count"] == results["1"]["affine"]["count"] == 10000
     assert sorted(os.listdir(pub / study_report.run_name(variant, 0))) == sorted(
-        n for n in along.SMALL_FILES)
+        n for n in blocks.SMALL_FILES)
   assert "1 block(s) (seeds 0): **interim**" in (pub / "results.md").read_text()
 
 
-def test_an_incomplete_block_is_left_out(blocks, tmp_path):
+def test_an_incomplete_block_is_left_out(block_runs, tmp_path):
   # Block 4 without its r3_recon_nostop run (a sitting that ended first), and
   # block 3 with one registered epoch not scored.
-  shutil.rmtree(os.path.join(blocks, study_report.run_name("r3_recon_nostop", 4)))
-  path = os.path.join(blocks, study_report.run_name("r1_recon", 3), along.RESULTS_FILE)
+  shutil.rmtree(os.path.join(block_runs, study_report.run_name("r3_recon_nostop", 4)))
+  path = os.path.join(block_runs, study_report.run_name("r1_recon", 3), blocks.RESULTS_FILE)
   results = json.load(open(path))
   del results["10"]
   json.dump(results, open(path, "w"))
-  found = along.collect(blocks, range(5), KEPT)
-  text = along.report(found, KEPT, str(tmp_path / "out"))
+  found = blocks.collect(block_runs, range(5), ALONG)
+  text = along.report(found, ALONG, str(tmp_path / "out"))
   assert ("3 block(s) (seeds 0, 1, 2): **interim**, the rule judges five blocks. "
           "Seed(s) 3, 4: an incomplete block (a run or a scoring missing), left out "
           "until it is complete.") in text

@@ -7,10 +7,11 @@ import subprocess
 import sys
 
 import pytest
-from test_along import blocks  # noqa: F401 (a fixture)
+from test_along import block_runs  # noqa: F401 (a fixture)
 
 from capsnet.science import along
 from capsnet.science import answer
+from capsnet.science import blocks
 from capsnet.science import protocols
 from capsnet.science import stats
 from conftest import ROOT
@@ -36,7 +37,7 @@ def grid_rows(decay_steps, seeds):
 
 
 @pytest.fixture
-def study(tmp_path, blocks):  # noqa: F811
+def study(tmp_path, block_runs):  # noqa: F811
   root = tmp_path / "study"
   (root / "short").mkdir(parents=True)
   (root / "table1").mkdir()
@@ -44,8 +45,8 @@ def study(tmp_path, blocks):  # noqa: F811
       {"rows": grid_rows(protocols.SHORT.decay_steps, [0, 1, 2]), "comparisons": []}))
   (root / "table1" / "results.json").write_text(json.dumps(
       {"rows": grid_rows(2000, [0]), "comparisons": []}))
-  found = along.collect(blocks, range(5), along.KEPT)
-  along.report(found, along.KEPT, str(root / "along"))
+  found = blocks.collect(block_runs, range(5), protocols.ALONG)
+  along.report(found, protocols.ALONG, str(root / "along"))
   return str(root)
 
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from capsnet.running import host
-from capsnet.science import along
+from capsnet.science import blocks
 from capsnet.science import confirm
 from capsnet.science import report as study_report
 from capsnet.science import stats
@@ -22,7 +22,8 @@ from conftest import ROOT
 from conftest import SMALL
 from conftest import needs_mnist
 
-KEPT = along.KEPT
+CONFIRM = confirm.CONFIRM
+KEPT = CONFIRM.kept
 SEEDS = confirm.SEEDS
 WOBBLE = [0.03, -0.02, 0.01, -0.04, 0.02, 0.0, -0.01, 0.04,
           -0.03, 0.02, -0.02, 0.01, 0.03, -0.01, 0.0, -0.03]   # by block; mean 0
@@ -41,7 +42,7 @@ def errors(r1, r3, nostop, spread=1.0):
 
 
 def found_of(errs, seeds=SEEDS):
-  """`along.collect`'s shape: {variant: {seed: {epoch: {measure: value}}}}."""
+  """`blocks.collect`'s shape: {variant: {seed: {epoch: {measure: value}}}}."""
   return {v: {s: {e: {"test_error": x + 0.1 * (10 - e), "test_margin_loss": 0.01,
                       "affine_error": 2.0, "train_loss": 0.01}
                   for e in KEPT} for s, x in per.items() if s in seeds}
@@ -74,9 +75,9 @@ def test_holm_steps_down_and_stops_at_the_first_kept_hypothesis():
 
 
 def test_the_registered_power_from_the_committed_pilot():
-  _, pilot = along.complete_blocks(along.collect(confirm.PILOT, confirm.PILOT_SEEDS, KEPT),
-                                  KEPT)
-  lines = confirm.power_lines(pilot, KEPT)
+  _, pilot = blocks.complete_blocks(blocks.collect(confirm.PILOT, confirm.PILOT_SEEDS,
+                                                   CONFIRM), CONFIRM)
+  lines = confirm.power_lines(pilot, CONFIRM)
   assert lines[0].endswith("mean +0.072, sd 0.0785")
   assert lines[1].startswith("the smallest n with power >= 0.80 to call 0.06 points "
                              "(two-sided 0.05): 16 (power 0.815; n - 1: 0.785)")
@@ -90,23 +91,23 @@ def test_the_registered_power_from_the_committed_pilot():
     ((0.0, 0.0, 0.0), "not settled")])
 def test_the_claims_verdict(means, claim):
   """`means`: the test error of r1_recon, r3_recon, r3_recon_nostop above 0.6."""
-  decision = confirm.decide(found_of(errors(*means)), KEPT, final=True)
+  decision = confirm.decide(found_of(errors(*means)), CONFIRM, final=True)
   assert decision["claim"] == claim
 
 
 def test_primary_called_and_equivalence_within_the_margin():
   found = found_of(errors(0.0, 0.0, 0.12))
-  d = confirm.decide(found, KEPT, final=True)
+  d = confirm.decide(found, CONFIRM, final=True)
   assert d["primary"]["called"] and d["primary"]["mean"] == pytest.approx(0.12)
   assert not d["equivalence"]["within"]
   found = found_of(errors(0.0, 0.0, 0.0, spread=0.5))
-  d = confirm.decide(found, KEPT, final=True)
+  d = confirm.decide(found, CONFIRM, final=True)
   assert not d["primary"]["called"] and d["equivalence"]["within"]
   within = d["equivalence"]
   half = stats.t_quantile(0.95, 15) * within["sd"] / 4
   assert within["hi"] - within["mean"] == pytest.approx(half)
   # A wide spread: neither called nor shown within 0.10.
-  d = confirm.decide(found_of(errors(0.0, 0.0, 0.0, spread=12.0)), KEPT, final=True)
+  d = confirm.decide(found_of(errors(0.0, 0.0, 0.0, spread=12.0)), CONFIRM, final=True)
   assert not d["primary"]["called"] and not d["equivalence"]["within"]
 
 
@@ -119,7 +120,7 @@ def test_holm_keeps_a_secondary_pair_that_alone_would_be_called():
     errs["r3_recon"][seed] = errs["r1_recon"][seed] - 2.2 * se + WOBBLE[(k + 3) % 16]
     errs["r3_recon_nostop"][seed] = (errs["r1_recon"][seed] + 2.15 * se
                                      + WOBBLE[(k + 7) % 16])
-  d = confirm.decide(found_of(errs), KEPT, final=True)
+  d = confirm.decide(found_of(errs), CONFIRM, final=True)
   first, second = d["secondary"]
   assert 0.025 < first["p"] < 0.05 and 0.025 < second["p"] < 0.05
   assert first["lo"] * first["hi"] > 0 and second["lo"] * second["hi"] > 0
@@ -130,7 +131,7 @@ def test_holm_keeps_a_secondary_pair_that_alone_would_be_called():
 
 def test_fewer_than_sixteen_blocks_call_nothing():
   found = found_of(errors(0.05, 0.0, 0.20), seeds=SEEDS[:15])
-  d = confirm.decide(found, KEPT, final=False)
+  d = confirm.decide(found, CONFIRM, final=False)
   assert d["primary"]["lo"] > 0 and not d["primary"]["called"]
   assert not any(s["called"] for s in d["secondary"]) and not d["equivalence"]["within"]
   assert d["claim"] == "interim: no verdict"
@@ -151,7 +152,7 @@ def test_host_kind_from_cpuinfo(tmp_path):
 
 def fake_block(out, seed, errs, cpu_id="AuthenticAMD family 25 model 17"):
   """One block's three runs as the protocol leaves them (small files only)."""
-  for variant in along.VARIANTS:
+  for variant in CONFIRM.variants:
     folder = os.path.join(out, study_report.run_name(variant, seed))
     os.makedirs(folder)
     with open(os.path.join(folder, "metrics.jsonl"), "w") as f:
@@ -162,7 +163,7 @@ def fake_block(out, seed, errs, cpu_id="AuthenticAMD family 25 model 17"):
                         "test": {"count": 10000, "margin_loss_mean": 0.01 / e,
                                  "error_percent": errs[variant][seed] + 0.1 * (10 - e)},
                         "affine": {"count": 10000, "error_percent": 2.0}} for e in KEPT}
-    with open(os.path.join(folder, along.RESULTS_FILE), "w") as f:
+    with open(os.path.join(folder, blocks.RESULTS_FILE), "w") as f:
       json.dump(results, f)
     with open(os.path.join(folder, "host.json"), "w") as f:
       json.dump({"started": {"cpu": "AMD EPYC", "cpu_id": cpu_id, "flags": ["avx2"],
@@ -280,11 +281,11 @@ def test_runs_end_to_end_on_a_small_model_stopped_and_resumed(tmp_path):
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert f"confirm: run 2 of 48, {second}: resume" in proc.stdout
   for name in (first, second):
-    assert sorted(os.listdir(pub / name)) == sorted(along.SMALL_FILES)
+    assert sorted(os.listdir(pub / name)) == sorted(blocks.SMALL_FILES)
     record = json.loads((pub / name / "host.json").read_text())
     assert record["outcome"] == "completed"
     assert all(a["checked"] is False for a in record["attempts"])
-    results = json.loads((pub / name / along.RESULTS_FILE).read_text())
+    results = json.loads((pub / name / blocks.RESULTS_FILE).read_text())
     assert sorted(results) == ["1", "2"]
     for split in ("test", "affine"):
       scored = results["2"][split]

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from capsnet.science import along
+from capsnet.science import blocks
 from capsnet.science import confirm
 from capsnet.science import confirm_audit
 from capsnet.science import confirm_run
@@ -40,9 +40,9 @@ def publish_run(pub, seed, variant, attempts=None, lost=(), outcome="completed")
       f.write(json.dumps({"epoch": epoch, "step": STEPS * epoch, "kind": "epoch",
                           "train_loss": 0.01}) + "\n")
   scoring = {"count": 10000, "error_percent": 0.03, "wrong": [5, 77, 901]}
-  with open(os.path.join(folder, along.RESULTS_FILE), "w") as f:
+  with open(os.path.join(folder, blocks.RESULTS_FILE), "w") as f:
     json.dump({str(e): {"epoch": e, "step": STEPS * e, "test": dict(scoring),
-                        "affine": dict(scoring)} for e in along.KEPT}, f)
+                        "affine": dict(scoring)} for e in confirm.CONFIRM.kept}, f)
   with open(os.path.join(folder, "host.json"), "w") as f:
     json.dump({"started": {}, "resumed": [], "attempts": attempts or [attempt()],
                "lost": list(lost), "outcome": outcome}, f)
@@ -109,7 +109,7 @@ def test_each_breach_of_a_run_is_named(tmp_path, breach, said):
   pub = str(tmp_path)
   folder = first_runs(pub, 2)[1]
   host, config = os.path.join(folder, "host.json"), os.path.join(folder, "config.json")
-  results = os.path.join(folder, along.RESULTS_FILE)
+  results = os.path.join(folder, blocks.RESULTS_FILE)
   change = {
       "commit": (host, lambda h: h["attempts"][0].update(commit="0000000")),
       "unchecked": (host, lambda h: h["attempts"][0].update(checked=False)),
@@ -188,7 +188,7 @@ def test_a_failed_run_is_scored_at_the_epochs_it_reached(tmp_path):
     rows = f.readlines()
   with open(os.path.join(folder, "metrics.jsonl"), "w") as f:
     f.writelines(rows[:5])
-  edit(os.path.join(folder, along.RESULTS_FILE), lambda r: r.pop("10"))
+  edit(os.path.join(folder, blocks.RESULTS_FILE), lambda r: r.pop("10"))
   assert confirm_audit.audit(pub, COMMIT) == []
 
 

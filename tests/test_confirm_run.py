@@ -8,7 +8,6 @@ import subprocess
 
 import pytest
 
-from capsnet.science import along
 from capsnet.science import confirm
 from capsnet.science import confirm_run
 
@@ -16,7 +15,7 @@ from capsnet.science import confirm_run
 def test_the_order_table_uses_each_order_two_or_three_times():
   table = confirm.order_table()
   assert list(table) == list(confirm.SEEDS)
-  assert all(sorted(order) == sorted(along.VARIANTS) for order in table.values())
+  assert all(sorted(order) == sorted(confirm.CONFIRM.variants) for order in table.values())
   assert sorted(Counter(table.values()).values()) == [2, 2, 3, 3, 3, 3]
   seq = confirm.sequence()
   assert len(seq) == 48 and len(set(seq)) == 48
@@ -27,7 +26,7 @@ def test_the_page_prints_the_order_table():
   with open(os.path.join(confirm_run.grids.ROOT, "docs", "confirm.md")) as f:
     page = f.read()
   assert "\n".join(confirm.table_lines()) in page
-  assert f"registered seed\n  {confirm.ORDER_SEED}" in page
+  assert f"registered seed\n  {confirm.CONFIRM.rule['order_seed']}" in page
 
 
 def test_environment_differences_are_named(tmp_path):

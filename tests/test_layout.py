@@ -46,7 +46,7 @@ def test_each_folder_imports_only_itself_and_the_folders_below():
   assert "capsnet.model.layers" in seen["model/network.py"]
   assert "capsnet.model.network" in seen["running/runs.py"]
   assert "capsnet.running.runs" in seen["using/serving.py"]
-  assert "capsnet.science.grids" in seen["science/along.py"]
+  assert "capsnet.science.grids" in seen["science/blocks.py"]
 
 
 def test_every_program_in_the_readme_is_a_top_level_module():

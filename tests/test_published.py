@@ -9,8 +9,10 @@ import pytest
 from capsnet.running import runs
 from capsnet.science import along
 from capsnet.science import answer
+from capsnet.science import blocks
 from capsnet.science import confirm
 from capsnet.science import confirm_run
+from capsnet.science import protocols
 from conftest import ROOT
 
 STUDY = os.path.join(ROOT, "study")
@@ -59,8 +61,8 @@ def table_rows(text, header_start):
 @pytest.mark.skipif(not os.path.isfile(os.path.join(ALONG, "results.json")),
                     reason="no published study/along")
 def test_along_report_is_the_committed_runs_report(tmp_path):
-  found = along.collect(ALONG, range(5), along.KEPT)
-  along.report(found, along.KEPT, str(tmp_path))
+  found = blocks.collect(ALONG, range(5), protocols.ALONG)
+  along.report(found, protocols.ALONG, str(tmp_path))
   for name in ("results.md", "results.json", "along.png"):
     assert_same_file(str(tmp_path / name), os.path.join(ALONG, name), (
         f"study/along/{name} is stale: python -m capsnet.along --seeds=5 "
@@ -68,7 +70,7 @@ def test_along_report_is_the_committed_runs_report(tmp_path):
 
 
 def test_confirm_report_is_the_committed_runs_report(tmp_path):
-  confirm.report(CONFIRM, along.KEPT, confirm.PILOT, str(tmp_path))
+  confirm.report(CONFIRM, protocols.CONFIRM, confirm.PILOT, str(tmp_path))
   final = json.loads((tmp_path / "results.json").read_text())["final"]
   # while interim, progress only: no plot (docs/confirm.md)
   assert os.path.exists(os.path.join(CONFIRM, "confirm.png")) == final

@@ -9,33 +9,23 @@ import numpy as np
 
 from capsnet.running import files
 from capsnet.running import runs
-from capsnet.science import along
+from capsnet.science import blocks
 from capsnet.science import grids
+from capsnet.science import protocols
 from capsnet.science import report as study_report
 from capsnet.science import stats
 
-# The registration (docs/confirm.md); none of it changes once block 5 starts.
-SEEDS = tuple(range(5, 21))        # sixteen blocks, n fixed by POWER below
-PRECISION = "fp32"
-EPOCH = 10                         # the primary and secondary measures' epoch
-MEASURE = "test_error"             # test error, % of the 10,000 test images
-PRIMARY = ("r3_recon", "r3_recon_nostop", "the stop: nostop - stop")
-SECONDARY = (("r1_recon", "r3_recon", "routing with the stop: r3 - r1"),
-             ("r1_recon", "r3_recon_nostop", "routing without it: r3 nostop - r1"))
-ALPHA = 0.05
-MARGIN = 0.06                      # equivalence: the 90% interval inside +-0.06 points
-MARGIN_DESCRIPTIVE = 0.10          # the same test at 0.10, reported beside it
-POWER = {"effect": 0.06, "target": 0.80}   # points of test error, two-sided at ALPHA
-
-PILOT_SEEDS = tuple(range(0, 5))
-
-ORDER_SEED = 20261205             # the shuffle that assigns the orders to the blocks
+CONFIRM = protocols.CONFIRM   # the registration (docs/confirm.md)
+SEEDS, PRECISION = CONFIRM.seeds, CONFIRM.precision
+EPOCH, MEASURE = CONFIRM.rule["epoch"], CONFIRM.rule["measure"]   # what the rule judges
+PRIMARY, SECONDARY = CONFIRM.primary, CONFIRM.secondary
+ALPHA, POWER = CONFIRM.rule["alpha"], CONFIRM.rule["power"]
+MARGIN, MARGIN_DESCRIPTIVE = CONFIRM.rule["margin"], CONFIRM.rule["margin_descriptive"]
+PILOT_SEEDS = protocols.ALONG.seeds
 
 PARTWAY_FILE = "partway.jsonl"     # published: one row each time a run stops part-way
 
-PILOT = os.path.join(grids.ROOT, "study", "along")
-
-TITLE = "The stop_gradient question, confirmatory (docs/confirm.md)"
+PILOT = os.path.join(grids.ROOT, "study", protocols.ALONG.name)
 
 
 # The sequence of the 48 runs (docs/confirm.md): each block's three runs in
@@ -43,13 +33,13 @@ TITLE = "The stop_gradient question, confirmatory (docs/confirm.md)"
 
 def orders():
   """The six orders of the three variants."""
-  return list(itertools.permutations(along.VARIANTS))
+  return list(itertools.permutations(CONFIRM.variants))
 
 
 def order_table():
   """{seed: order}: four of the six orders (drawn) used three times, the other
-  two twice, shuffled over the sixteen blocks; numpy's default_rng(ORDER_SEED)."""
-  rng = np.random.default_rng(ORDER_SEED)
+  two twice, shuffled over the sixteen blocks; numpy's default_rng(the rule's order_seed)."""
+  rng = np.random.default_rng(CONFIRM.rule["order_seed"])
   thrice = set(rng.permutation(6)[:4].tolist())
   pool = [k for k in range(6) for _ in range(3 if k in thrice else 2)]
   assigned = rng.permutation(pool).tolist()
@@ -108,11 +98,11 @@ def progress(publish):
   return done, None
 
 
-def power_lines(pilot_found, kept):
+def power_lines(pilot_found, protocol):
   """The registered power computation as lines of text: the pilot's sd of the
   primary difference, its 95% interval (four degrees of freedom), and the power
   of n blocks."""
-  d = _primary(pilot_found, kept)
+  d = _primary(pilot_found, protocol)
   if d is None or d["sd"] is None:
     raise ValueError("the pilot has fewer than two complete blocks")
   sd, effect, target = d["sd"], POWER["effect"], POWER["target"]
@@ -141,24 +131,24 @@ def power_lines(pilot_found, kept):
   return lines
 
 
-def _primary(found, kept):
-  return _difference(found, PRIMARY[:2], kept)
+def _primary(found, protocol):
+  return _difference(found, PRIMARY[:2], protocol)
 
 
-def _difference(found, pair, kept, level=0.95):
-  if EPOCH not in kept:
+def _difference(found, pair, protocol, level=0.95):
+  if EPOCH not in protocol.kept:
     return None
   def figure(variant):
     return {s: m[EPOCH][MEASURE] for s, m in found.get(variant, {}).items() if EPOCH in m}
   return stats.paired_difference(figure(pair[0]), figure(pair[1]), level)
 
 
-def decide(found, kept, final):
+def decide(found, protocol, final):
   """The registered calls: {"primary", "equivalence", "secondary", "claim"}.
   Interim (`final` False): the figures without a call."""
-  primary = _primary(found, kept)
-  within = _difference(found, PRIMARY[:2], kept, level=0.90)
-  second = [_difference(found, (a, b), kept) for a, b, _ in SECONDARY]
+  primary = _primary(found, protocol)
+  within = _difference(found, PRIMARY[:2], protocol, level=0.90)
+  second = [_difference(found, (a, b), protocol) for a, b, _ in SECONDARY]
   p_values = [stats.t_p_value(d) for d in second]
   rejected, adjusted = stats.holm(p_values, ALPHA)
   signs = [(d["mean"] > 0) - (d["mean"] < 0) if r else 0
@@ -199,8 +189,8 @@ def block_facts(folder, seed):
   """{host, kind, commit, precision, plan} of one block, from its runs' files
   (a field the three runs do not share is listed with " / " between)."""
   seen = {}
-  for variant in along.VARIANTS:
-    run = runs.RunFolder(os.path.join(folder, study_report.run_name(variant, seed)))
+  for variant in CONFIRM.variants:
+    run = runs.RunFolder(study_report.run_dir(folder, variant, seed))
     host, config = run.read_json(runs.HOST_FILE) or {}, run.config() or {}
     started = host.get("started", {})
     for key, value in (("host", started.get("cpu")), ("kind", host_kind(host)),
@@ -239,21 +229,21 @@ def _verdict_lines(decision):
   return lines
 
 
-def markdown(found, kept, decision, blocks, pooled, pilot_blocks, by_kind, partial=()):
-  """results.md."""
-  n = len(blocks)
+def markdown(found, protocol, decision, facts, pooled, pilot_blocks, by_kind, partial=()):
+  """results.md; `facts`: {seed: block_facts} of the complete blocks."""
+  n = len(facts)
   state = (f"{n} blocks, as registered" if decision["final"]
            else f"interim, {n} of {len(SEEDS)} blocks, no call")
-  lines = [f"# {TITLE}: {state}", "",
-           f"Blocks (seeds): {', '.join(map(str, blocks)) or 'none yet'}."
-           + along.partial_note(partial),
+  lines = [f"# {CONFIRM.title}: {state}", "",
+           f"Blocks (seeds): {', '.join(map(str, facts)) or 'none yet'}."
+           + blocks.partial_note(partial),
            "Cells: the paired difference B - A over the blocks, its mean and 95% t "
            "interval; B - A > 0: A has the lower loss or error.", "",
            "## The registered answer", ""] + _verdict_lines(decision) + [""]
-  table, _ = along.compare(found, kept)
+  table, _ = blocks.compare(found, protocol)
   lines += ["## Descriptive: every measure and epoch", "",
             "Not part of the rule: **bold** marks an interval that excludes zero, "
-            "uncorrected.", ""] + along.measure_tables(table, kept, heading="###",
+            "uncorrected.", ""] + blocks.measure_tables(table, protocol, heading="###",
                                                      pilot_primary=False)
   lines += [f"## Descriptive: pooled with the pilot ({len(pilot_blocks)} + {n} blocks)", "",
             "The pilot's result (docs/along.md) chose this design, so the pooled "
@@ -271,25 +261,25 @@ def markdown(found, kept, decision, blocks, pooled, pilot_blocks, by_kind, parti
   lines += study_report.table(
       ["seed", "host", "host kind", "commit", "precision", "plan"],
       [[seed, f["host"], f["kind"], f["commit"], f["precision"], f["plan"]]
-       for seed, f in blocks.items()])
+       for seed, f in facts.items()])
   return "\n".join(lines) + "\n"
 
 
-def plot(found, kept, decision, path):
+def plot(found, protocol, decision, path):
   """confirm.png: left, each block's epoch-10 test-error difference for the
   three comparisons with means and 95% intervals (the primary's 90% against the
   equivalence margins), called ones marked; right, the stop's difference along
   training."""
   with study_report.drawing(path, (11, 4.4), ncols=2,
                             gridspec_kw={"width_ratios": [3, 2]}) as (left, right):
-    _panels(found, kept, decision, left, right)
+    _panels(found, protocol, decision, left, right)
 
 
-def _panels(found, kept, decision, left, right):
+def _panels(found, protocol, decision, left, right):
   pairs = [PRIMARY] + list(SECONDARY)
   called = [decision["primary"]["called"]] + [d["called"] for d in decision["secondary"]]
   for x, ((a, b, _), is_called) in enumerate(zip(pairs, called, strict=True)):
-    d = _difference(found, (a, b), kept)
+    d = _difference(found, (a, b), protocol)
     if d is None:
       continue
     left.scatter([x - 0.15] * len(d["diffs"]), d["diffs"], s=14, color="grey",
@@ -309,52 +299,50 @@ def _panels(found, kept, decision, left, right):
   left.set_xticklabels([name.replace(": ", ":\n") + ("\n(called)" if c else "")
                         for (_, _, name), c in zip(pairs, called, strict=True)], fontsize=8)
   left.set_ylabel(f"difference in test error at epoch {EPOCH}, points")
-  state = ("sixteen blocks" if decision["final"]
-           else f"interim: {len(along.blocks_done(found, kept))} of {len(SEEDS)} blocks, no call")
-  left.set_title(f"B - A per block ({state})\nred: called by the registered rule; "
+  left.set_title(f"B - A per block ({len(SEEDS)} blocks)\nred: called by the registered rule; "
                  f"dashed: the equivalence margins +-{MARGIN:.2f}", fontsize=9)
   if left.get_legend_handles_labels()[0]:
     left.legend(fontsize=7)
   left.set_xlim(-0.6, len(pairs) - 0.4)
-  table, _ = along.compare(found, kept)
-  if along.epoch_band(right, table[PRIMARY[:2]][MEASURE], kept, color="C0",
+  table, _ = blocks.compare(found, protocol)
+  if blocks.epoch_band(right, table[PRIMARY[:2]][MEASURE], protocol.kept, color="C0",
                       band_label="95% interval (descriptive)")[1]:
     right.legend(fontsize=7)
-  along.epoch_axis(right, kept)
+  blocks.epoch_axis(right, protocol.kept)
   right.set_ylabel("test error, nostop - stop, points")
   right.set_title("the stop along training", fontsize=9)
 
 
-def report(out, kept, pilot, folder):
+def report(out, protocol, pilot, folder):
   """results.md, results.json and confirm.png into `folder` from the runs in
   `out` and the pilot's in `pilot`; returns the markdown."""
-  collected = along.collect(out, SEEDS, kept)   # each run's files read once
-  done, found = along.complete_blocks(collected, kept)
+  collected = blocks.collect(out, SEEDS, protocol)   # each run's files read once
+  done, found = blocks.complete_blocks(collected, protocol)
   partial = sorted({s for per in collected.values() for s in per} - set(done))
   final = len(done) == len(SEEDS)
   if not final:   # progress only: no difference, no interval
     return progress_report(out, done, folder)
-  decision = decide(found, kept, final)
-  pilot_done, pilot_found = along.complete_blocks(along.collect(pilot, PILOT_SEEDS, kept),
-                                                  kept)
-  pooled_found = {v: {**pilot_found.get(v, {}), **found.get(v, {})} for v in along.VARIANTS}
-  pooled = [((a, b, name), _difference(pooled_found, (a, b), kept))
+  decision = decide(found, protocol, final)
+  pilot_done, pilot_found = blocks.complete_blocks(blocks.collect(pilot, PILOT_SEEDS, protocol),
+                                                  protocol)
+  pooled_found = {v: {**pilot_found.get(v, {}), **found.get(v, {})} for v in protocol.variants}
+  pooled = [((a, b, name), _difference(pooled_found, (a, b), protocol))
             for a, b, name in [PRIMARY, *SECONDARY]]
-  blocks = {seed: block_facts(out, seed) for seed in done}
+  facts = {seed: block_facts(out, seed) for seed in done}
   kinds = {}
-  for seed, facts in blocks.items():
-    kinds.setdefault(facts["kind"], []).append(seed)
-  by_kind = [(kind, seeds, _difference(along.only_seeds(found, seeds), PRIMARY[:2], kept))
+  for seed, fact in facts.items():
+    kinds.setdefault(fact["kind"], []).append(seed)
+  by_kind = [(kind, seeds, _difference(blocks.only_seeds(found, seeds), PRIMARY[:2], protocol))
              for kind, seeds in sorted(kinds.items())]
-  text = markdown(found, kept, decision, blocks, pooled, pilot_done, by_kind, partial)
-  payload = {"title": TITLE, "final": final, "blocks": done, "incomplete_blocks": partial,
-             "registered_seeds": list(SEEDS), "kept_epochs": list(kept),
+  text = markdown(found, protocol, decision, facts, pooled, pilot_done, by_kind, partial)
+  payload = {"title": CONFIRM.title, "final": final, "blocks": done, "incomplete_blocks": partial,
+             "registered_seeds": list(SEEDS), "kept_epochs": list(protocol.kept),
              "decision": decision, "pilot_blocks": pilot_done,
              "pooled": [{"a": a, "b": b, **(d or {})} for (a, b, _), d in pooled],
              "by_host_kind": [{"kind": k, "blocks": s, **(d or {})} for k, s, d in by_kind],
-             "block_facts": {str(s): f for s, f in blocks.items()}}
-  along.write_report(folder, text, payload, found)
-  plot(found, kept, decision, os.path.join(folder, "confirm.png"))
+             "block_facts": {str(s): f for s, f in facts.items()}}
+  blocks.write_report(folder, text, payload, found)
+  plot(found, protocol, decision, os.path.join(folder, "confirm.png"))
   return text
 
 
@@ -366,7 +354,7 @@ def attempts_of(folder):
           + [(a.get("kind", "?"), a.get("reason", "")) for a in record.get("attempts", [])])
 
 
-def progress_report(out, blocks, folder):
+def progress_report(out, complete, folder):
   """The interim report: the runs done of 48, the blocks complete, each run's
   host and attempts (resumes, restarts) and the part-way states; no figure of
   the question. Writes results.md and results.json (and removes a confirm.png)
@@ -391,7 +379,7 @@ def progress_report(out, blocks, folder):
     payload_runs.append({"position": position, "run": name, "state": state,
                          "host": host_kind(record), "attempts": [list(k) for k in kinds]})
   n_done = len(done)
-  lines = [f"# {TITLE}: interim, {n_done} of {len(sequence())} runs, {len(blocks)} of "
+  lines = [f"# {CONFIRM.title}: interim, {n_done} of {len(sequence())} runs, {len(complete)} of "
            f"{len(SEEDS)} blocks complete", "",
            "Progress only: no difference and no interval is shown until all sixteen "
            "blocks are in (docs/confirm.md).", "",
@@ -402,8 +390,8 @@ def progress_report(out, blocks, folder):
   os.makedirs(folder, exist_ok=True)
   files.atomic_write(os.path.join(folder, "results.md"), text)
   files.atomic_write(os.path.join(folder, "results.json"), json.dumps(
-      {"title": TITLE, "final": False, "runs_done": n_done, "runs": payload_runs,
-       "blocks_complete": blocks, "partway_stops": len(stops),
+      {"title": CONFIRM.title, "final": False, "runs_done": n_done, "runs": payload_runs,
+       "blocks_complete": complete, "partway_stops": len(stops),
        "next_due": folder_name(due) if due else None}, indent=1, sort_keys=True) + "\n")
   if os.path.exists(os.path.join(folder, "confirm.png")):
     os.remove(os.path.join(folder, "confirm.png"))

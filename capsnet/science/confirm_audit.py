@@ -3,14 +3,14 @@ runs checked against the registration. `python -m capsnet.confirm --audit`."""
 import os
 
 from capsnet.running import runs
-from capsnet.science import along
+from capsnet.science import blocks
 from capsnet.science import confirm
 from capsnet.science import confirm_run
 from capsnet.science import report as study_report
 
 REGISTERED = {"dataset": "mnist", "val_size": 5000, "train_size": 0, "batch_size": 128,
               "learning_rate": 1e-3, "decay_steps": 2000, "decay_rate": 0.96,
-              "epochs": along.EPOCHS, "ema_decay": 0.0, "workers": 1}
+              "epochs": confirm.CONFIRM.epochs, "ema_decay": 0.0, "workers": 1}
 
 
 # The model's fields that may differ from the pilot's run of the variant: the
@@ -65,7 +65,7 @@ def _run_breaches(folder, seed, variant, registered, stops):
   try:
     record = run.read_json(runs.HOST_FILE) or {}
     config = run.config() or {}
-    results = run.read_json(along.RESULTS_FILE) or {}
+    results = run.read_json(blocks.RESULTS_FILE) or {}
     epochs = {r["epoch"]: r for r in run.metrics("epoch")}
   except runs.RunError as e:
     return [str(e)]
@@ -105,7 +105,7 @@ def _run_breaches(folder, seed, variant, registered, stops):
       out.append(f"the part-way state of step {r.get('step')} ({str(r.get('digest'))[:12]}) "
                  "is neither resumed nor listed as lost")
   model, train = config.get("model", {}), config.get("train", {})
-  spec = dict(_paper_layers(variant), **along.VARIANTS[variant])
+  spec = dict(_paper_layers(variant), **confirm.CONFIRM.variants[variant])
   for key, value in [*spec.items(), ("precision", confirm.PRECISION)]:
     if model.get(key) != value:
       out.append(f"config.json has {key}={model.get(key)!r}, registered {value!r}")
@@ -116,9 +116,10 @@ def _run_breaches(folder, seed, variant, registered, stops):
   failed = isinstance(outcome, str) and outcome.startswith("failed")
   if outcome != "completed" and not failed:
     out.append(f"outcome {outcome!r}, expected completed or failed")
-  if not failed and sorted(epochs) != list(range(1, along.EPOCHS + 1)):
-    out.append(f"metrics.jsonl has epochs {sorted(epochs)}, expected 1 to {along.EPOCHS}")
-  expected = [e for e in along.KEPT if e in epochs] if failed else list(along.KEPT)
+  last, kept = confirm.CONFIRM.epochs, confirm.CONFIRM.kept
+  if not failed and sorted(epochs) != list(range(1, last + 1)):
+    out.append(f"metrics.jsonl has epochs {sorted(epochs)}, expected 1 to {last}")
+  expected = [e for e in kept if e in epochs] if failed else list(kept)
   if sorted(int(e) for e in results) != expected:
     out.append(f"scored epochs {sorted(int(e) for e in results)}, expected {expected}")
   for epoch in expected:

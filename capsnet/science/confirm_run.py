@@ -17,17 +17,14 @@ import subprocess
 from capsnet.running import files
 from capsnet.running import host
 from capsnet.running import runs
-from capsnet.running import schedule
-from capsnet.science import along
+from capsnet.science import blocks
 from capsnet.science import confirm
 from capsnet.science import grids
 from capsnet.science import report as study_report
 
 # The registration: the commit that adds the lock file (docs/confirm.md).
 LOCK = os.path.join("docs", "confirm.lock")
-SETTINGS = {"epochs": along.EPOCHS, "precision": confirm.PRECISION,
-            "decay_steps": schedule.DECAY_STEPS, "diag_every": 100, "val_every": 0,
-            "kept": along.KEPT}
+SETTINGS = blocks.settings(confirm.CONFIRM)
 IDENTITY = ("cpu", "cpu_id", "flags", "cores", "python", "tensorflow", "numpy", "onednn")
 
 LOST_FOLDER = "lost"               # in --out: the folders of restarted runs, kept
@@ -316,7 +313,7 @@ def last_error(log_path):
 def score(children, folder, epoch):
   """The along_results.json entry of one kept epoch (test and affine sets)
   with the indices of the misclassified images; None if stopped."""
-  ckpt = along.kept_checkpoint(folder, epoch)
+  ckpt = blocks.kept_checkpoint(folder, epoch)
   if ckpt is None:
     raise ConfirmError(f"{folder}: no checkpoint kept at the end of epoch {epoch}")
   entry = {"epoch": epoch, "step": runs.step_of(ckpt)}
@@ -344,7 +341,7 @@ def write_partway(publish, folder, name, why):
   row = {"run": name, "time": _now(), "why": why, "step": step,
          "checkpoint": os.path.relpath(paths[0], folder).rsplit(".", 1)[0] if paths else None,
          "digest": digest(paths) if paths else None,
-         "scored": sorted(int(e) for e in along.scored(folder)),
+         "scored": sorted(int(e) for e in blocks.scored(folder)),
          "attempt": len((runs.RunFolder(folder).read_json(runs.HOST_FILE) or {})
                         .get("attempts", [])),
          "identity": identity(), "plan": plan_of(folder)}
@@ -392,7 +389,7 @@ def run_due(children, out, publish, commit, settings, extra, restart=False):
         + (f" ({attempt['reason']})" if "reason" in attempt else ""), flush=True)
   outcome = None
   if not study_report.is_complete(folder, settings["epochs"]):
-    cmd = grids.train_command(along.VARIANTS[variant], seed, folder, settings,
+    cmd = grids.train_command(confirm.CONFIRM.variants[variant], seed, folder, settings,
                               [f"--keep_epochs={','.join(map(str, settings['kept']))}",
                                *extra])
     rc = children.run(cmd, folder + ".log")
@@ -406,8 +403,8 @@ def run_due(children, out, publish, commit, settings, extra, restart=False):
         raise ConfirmError(f"{name}: train.py failed (exit {rc}: {line}); not an outcome "
                            "of the model: mend the machine and run the command again")
       outcome = f"failed: {line[len('train.py: error: '):]}"
-  results = along.scored(folder)
-  kept = [e for e in settings["kept"] if outcome is None or along.kept_checkpoint(folder, e)]
+  results = blocks.scored(folder)
+  kept = [e for e in settings["kept"] if outcome is None or blocks.kept_checkpoint(folder, e)]
   for epoch in kept:
     if str(epoch) not in results:
       print(f"confirm: {name}: scoring the weights of epoch {epoch}", flush=True)
@@ -417,10 +414,10 @@ def run_due(children, out, publish, commit, settings, extra, restart=False):
                       f"stopped by {signal.Signals(children.signum).name} while scoring")
         return name, None, 128 + children.signum
       results[str(epoch)] = entry
-      runs.RunFolder(folder).write_json(along.RESULTS_FILE, results)
+      runs.RunFolder(folder).write_json(blocks.RESULTS_FILE, results)
   update_record(folder, outcome=outcome or "completed", plan=plan_of(folder),
                 end={"time": _now(), "why": "ended", "step": newest_checkpoint(folder)[0]})
-  runs.RunFolder(folder).copy_small_files(os.path.join(publish, name), along.SMALL_FILES)
+  runs.RunFolder(folder).copy_small_files(os.path.join(publish, name), blocks.SMALL_FILES)
   return name, outcome or "completed", 0
 
 

@@ -47,7 +47,8 @@ def parse_pairs(specs, variants):
 
 
 def run_one(spec, seed, folder, settings, extra):
-  """Trains (or resumes) one run, its output in <folder>.log; exits on failure."""
+  """Trains (or resumes) one run, its output in <folder>.log. Raises RunError
+  if train.py fails."""
   print(f"{os.path.basename(folder)}: training in {folder}", flush=True)
   os.makedirs(folder, exist_ok=True)
   runs.RunFolder(folder).record_host(dict(host.describe(), commit=commit()))
@@ -55,8 +56,7 @@ def run_one(spec, seed, folder, settings, extra):
     rc = subprocess.call(train_command(spec, seed, folder, settings, extra),
                          stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
   if rc:
-    sys.exit(f"study: error: {os.path.basename(folder)} failed (exit {rc}); "
-             f"see {folder}.log")
+    raise runs.RunError(f"{os.path.basename(folder)} failed (exit {rc}); see {folder}.log")
 
 
 def commit():
@@ -79,7 +79,7 @@ def other_routing(iter_routing):
 
 def measure_routing(folder, iter_routing):
   """routing.json of a finished run: eval.py on its best checkpoint on the test
-  set, with its own routing count and `other_routing` (`routing_summary`). Exits
+  set, with its own routing count and `other_routing` (`routing_summary`). Raises
   if eval.py fails."""
   results = {}
   for r in (iter_routing, other_routing(iter_routing)):
@@ -98,23 +98,23 @@ def eval_command(checkpoint, out_dir, *args):
           *args, f"--out_dir={out_dir}", "--num_images=8", "--figure4_images=1"]
 
 
-def evaluate(checkpoint, out_dir, log_path, *args, program="study"):
+def evaluate(checkpoint, out_dir, log_path, *args):
   """eval.py on `checkpoint` (a run folder: its best checkpoint), with
   `args`, into `out_dir` (its output appended to `log_path`). Returns: the
-  runs.EvalFolder. Exits if eval.py fails."""
+  runs.EvalFolder. Raises RunError if eval.py fails."""
   with open(log_path, "a") as log:
     rc = subprocess.call(eval_command(checkpoint, out_dir, *args), stdout=log,
                          stderr=subprocess.STDOUT, cwd=ROOT)
   if rc:
-    sys.exit(f"{program}: error: eval.py {' '.join(args)} on {checkpoint} failed (exit {rc}); "
-             f"see {log_path}")
+    raise runs.RunError(f"eval.py {' '.join(args)} on {checkpoint} failed (exit {rc}); "
+                        f"see {log_path}")
   return runs.EvalFolder(out_dir)
 
 
 def measure_affine(folder, sweep, out_folder=None):
   """affine_results.json of a finished run (into `out_folder`, default the
   run's): eval.py on its best checkpoint on the affine test set and the
-  `sweep`'s sets. Exits if eval.py fails."""
+  `sweep`'s sets. Raises RunError if eval.py fails."""
   out_folder = out_folder or folder
   res = evaluate(folder, os.path.join(out_folder, "eval_affine"),
                  out_folder.rstrip("/") + ".log", "--split=affine",
