@@ -49,8 +49,20 @@ def test_each_folder_imports_only_itself_and_the_folders_below():
   assert "capsnet.science.grids" in seen["science/blocks.py"]
 
 
-def test_every_program_in_the_readme_is_a_top_level_module():
+def test_every_top_level_module_is_in_the_readme_layout_and_every_folder_is_checked():
+  """Each of capsnet/*.py (the programs, and roofline.py beside the bench) is
+  named in README.md's layout table, each program runs as `python -m`, and
+  the import check above covers every folder under capsnet/."""
   readme = open(os.path.join(ROOT, "README.md")).read()
-  for program in ("study", "bench", "pretrained", "cluster"):
-    assert f"capsnet/{program}.py" in readme
-    assert os.path.isfile(os.path.join(ROOT, "capsnet", f"{program}.py"))
+  layout = readme.split("| where | what |")[1].split("\n\n")[0]
+  top = sorted(n for n in os.listdir(os.path.join(ROOT, "capsnet"))
+               if n.endswith(".py") and n != "__init__.py")
+  assert {"study.py", "along.py", "confirm.py", "answer.py", "bench.py", "roofline.py",
+          "pretrained.py", "cluster.py"} <= set(top)
+  for name in top:
+    assert f"`capsnet/{name}`" in layout, f"capsnet/{name} is not in the README's layout"
+    source = open(os.path.join(ROOT, "capsnet", name)).read()
+    assert ('if __name__ == "__main__":' in source) == (name != "roofline.py"), name
+  folders = sorted(n for n in os.listdir(os.path.join(ROOT, "capsnet"))
+                   if os.path.isdir(os.path.join(ROOT, "capsnet", n)) and n != "__pycache__")
+  assert folders == sorted(BELOW)

@@ -3,6 +3,7 @@ committed run files, and the README's table is the answer's table: a run
 published without its report, or a report without the README, fails here."""
 import json
 import os
+import shutil
 
 import pytest
 
@@ -12,6 +13,7 @@ from capsnet.science import answer
 from capsnet.science import blocks
 from capsnet.science import confirm
 from capsnet.science import confirm_run
+from capsnet.science import grids
 from capsnet.science import protocols
 from conftest import ROOT
 
@@ -69,6 +71,38 @@ def test_along_report_is_the_committed_runs_report(tmp_path):
         "--out=study/along --train=false"))
 
 
+# The grids' reports as their pages publish them (docs/table1.md,
+# docs/short.md, docs/multimnist.md): variants, seeds, epochs, schedules.
+GRID_REPORTS = {
+    "table1": (("r3_recon", "r1_recon", "r3_recon_nostop", "r3_norecon"), 3, 50,
+               (protocols.TABLE1.decay_steps, 143)),
+    "short": (tuple(protocols.SHORT.variants), 5, protocols.SHORT.epochs,
+              (protocols.SHORT.decay_steps,)),
+    "multimnist": (tuple(protocols.MULTIMNIST.variants), 1, 14,
+                   (protocols.MULTIMNIST.decay_steps,))}
+REPORT_FILES = ("results.md", "results.json", "val_error.png", "diagnostic.png",
+                "affine.png", "affine_sweep.png")
+
+
+@pytest.mark.parametrize("name", sorted(GRID_REPORTS))
+def test_grid_report_is_the_committed_runs_report(name, tmp_path):
+  """Each grid's published report made again from its published runs (the
+  report's files removed first, so each must be written anew)."""
+  variants, seeds, epochs, schedules = GRID_REPORTS[name]
+  out = tmp_path / name
+  shutil.copytree(os.path.join(STUDY, name), out)
+  committed = [f for f in REPORT_FILES if (out / f).exists()]
+  assert "results.md" in committed and "results.json" in committed
+  for f in committed:
+    (out / f).unlink()
+  pairs = [] if name == "multimnist" else [(a, b) for a, b, _ in protocols.STOP_PAIRS]
+  grids.run_grid(grids.GRIDS[name], variants, range(seeds), schedules, {"epochs": epochs},
+                 [], pairs, [], grids.Where(str(out), None, False, False, ""))
+  for f in committed:
+    assert_same_file(str(out / f), os.path.join(STUDY, name, f), (
+        f"study/{name}/{f} is stale: the report command of docs/{name}.md"))
+
+
 def test_confirm_report_is_the_committed_runs_report(tmp_path):
   confirm.report(CONFIRM, protocols.CONFIRM, confirm.PILOT, str(tmp_path))
   final = json.loads((tmp_path / "results.json").read_text())["final"]
@@ -87,13 +121,23 @@ def test_every_confirmatory_attempt_ran_checked_fp32_from_the_registration_commi
   done, _ = confirm.progress(CONFIRM)
   names = sorted(n for n in os.listdir(CONFIRM) if os.path.isdir(os.path.join(CONFIRM, n)))
   assert names == sorted(confirm.folder_name(r) for r in done), "published runs out of turn"
+  with open(os.path.join(CONFIRM, "results.json")) as f:
+    counted = json.load(f)
+  reported = (counted["runs_done"] if not counted["final"]
+              else len(counted["blocks"]) * len(protocols.CONFIRM.variants))
+  checked = 0
   for name in names:
     folder = runs.RunFolder(os.path.join(CONFIRM, name))
-    attempts = folder.read_json(runs.HOST_FILE)["attempts"]
+    record = folder.read_json(runs.HOST_FILE)
+    assert record is not None and folder.config() is not None, (
+        f"study/confirm/{name}: no host.json or config.json")
+    attempts = record.get("attempts")
     assert attempts, f"study/confirm/{name}: no attempt recorded"
     for a in attempts:
       assert (a["commit"], a["checked"]) == (registered, True), f"study/confirm/{name}: {a}"
     assert folder.config()["model"]["precision"] == "fp32", f"study/confirm/{name}"
+    checked += 1
+  assert checked == reported, f"checked {checked} runs, the report counts {reported}"
 
 
 @pytest.mark.skipif(not os.path.isfile(os.path.join(STUDY, "answer.md")),

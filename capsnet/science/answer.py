@@ -88,9 +88,8 @@ def rows(study, names=ANSWERED):
       out.append(row)
   table1 = _read(study, "table1") if "table1" in names else None
   if table1:
-    found = table1["rows"] if isinstance(table1, dict) else table1
     out.append(_grid_row("50 epochs, paper's schedule", "best validation",
-                         _from_rows(found, protocols.TABLE1.decay_steps)))
+                         _from_rows(table1["rows"], protocols.TABLE1.decay_steps)))
   return out
 
 

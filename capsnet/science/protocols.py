@@ -2,7 +2,8 @@
 registration fixes (variants, seeds, epochs and schedule, kept epochs,
 measures, the pairs it compares, its primary and secondary, precision) and
 how its report shows it. Programs, reports, the answer across protocols and
-the docs' tests read them here; nothing restates them (docs/studies.md)."""
+the docs' tests read them here; nothing restates them. Adding one:
+docs/studies.md."""
 import dataclasses
 
 from capsnet.running import schedule

@@ -512,8 +512,8 @@ MULTIMNIST_PAPER = (5.2, "paper: 5.2% test error after 60M pairs")
 
 
 def report(rows, folder, grid, comparisons=(), shipped=(), descriptive=()):
-  """results.md, results.json (the rows; with comparisons: {"rows",
-  "comparisons"}) and the plots in `folder`; for a `grid` whose runs are
+  """results.md, results.json ({"rows", "comparisons"}) and the plots in
+  `folder`; for a `grid` whose runs are
   scored on the affine sets also affine.png (affine error per variant and
   block) and, where swept, affine_sweep.png (beside the `shipped` weights'
   sweep)."""
@@ -524,7 +524,7 @@ def report(rows, folder, grid, comparisons=(), shipped=(), descriptive=()):
               + ", ".join(f"{d:g}°: {e:.2f}" for d, e in shipped) + "\n")
   files.atomic_write(os.path.join(folder, "results.md"), table)
   files.write_json(os.path.join(folder, "results.json"),
-                   {"rows": rows, "comparisons": comparisons} if comparisons else rows)
+                   {"rows": rows, "comparisons": list(comparisons)})
   if rows:
     x, reference = ("pairs", MULTIMNIST_PAPER) if _multimnist(rows) else ("epoch", None)
     plot(rows, os.path.join(folder, "val_error.png"), grid.title, x=x, reference=reference)
