@@ -34,7 +34,8 @@ def _cpuinfo(path="/proc/cpuinfo"):
   return model, found, cpu_id
 
 
-def _version(package):
+def version(package):
+  """An installed package's version, or None."""
   try:
     return importlib.metadata.version(package)
   except importlib.metadata.PackageNotFoundError:
@@ -48,7 +49,7 @@ def describe():
   model, found, cpu_id = _cpuinfo()
   return {"cpu": model, "cpu_id": cpu_id, "cores": os.cpu_count(),
           "flags": [f for f in KERNEL_FLAGS if f in found],
-          "tensorflow": _version("tensorflow"),
+          "tensorflow": version("tensorflow"),
           "onednn": os.environ.get("TF_ENABLE_ONEDNN_OPTS", "1")}
 
 

@@ -86,7 +86,7 @@ def _read_json(path, kind="a JSON file", required=False):
     raise RunError(f"{path}: not {kind} ({e})") from None
 
 
-def _read_jsonl(path):
+def read_jsonl(path):
   """The rows of a .jsonl file ([] if there is none). Raises RunError naming the
   file and the line of a row that is not JSON."""
   if not os.path.exists(path):
@@ -224,11 +224,11 @@ class RunFolder:
     rows: "epoch" if they have images_per_sec)."""
     rows = [dict(r, kind=r.get("kind") or ("epoch" if "images_per_sec" in r
                                            else "validation"))
-            for r in _read_jsonl(self.file(METRICS_FILE))]
+            for r in read_jsonl(self.file(METRICS_FILE))]
     return [r for r in rows if kind is None or r["kind"] == kind]
 
   def diagnostics(self):
-    return _read_jsonl(self.file(DIAGNOSTICS_FILE))
+    return read_jsonl(self.file(DIAGNOSTICS_FILE))
 
   def drop_rows_after(self, step):
     """Drops the metrics and diagnostics rows of steps after `step` (a resumed

@@ -68,18 +68,7 @@ def folder_name(run):
 def partway_rows(publish):
   """The committed part-way states, oldest first. Raises RunError on a
   damaged file."""
-  path = os.path.join(publish, PARTWAY_FILE)
-  rows = []
-  if os.path.exists(path):
-    with open(path) as f:
-      for number, line in enumerate(f, 1):
-        if line.strip():
-          try:
-            rows.append(json.loads(line))
-          except ValueError:
-            raise runs.RunError(f"{path}: line {number}: not a JSON row (restore it "
-                                "from git)") from None
-  return rows
+  return runs.read_jsonl(os.path.join(publish, PARTWAY_FILE))
 
 
 def ended(folder):
@@ -205,8 +194,6 @@ def block_facts(folder, seed):
 
 def _verdict_lines(decision):
   p, e = decision["primary"], decision["equivalence"]
-  if not decision["final"]:
-    return ["No call: the rule judges sixteen blocks."]
   lines = [f"- **Primary** ({PRIMARY[2]}, {MEASURE} at epoch {EPOCH}, n = {p['n']}): "
            f"{p['mean']:+.3f} points, 95% interval [{p['lo']:+.3f}, {p['hi']:+.3f}], "
            f"p = {p['p']:.3f}: " + ("**called**: " + ("the stop gives the lower test error"
@@ -232,9 +219,7 @@ def _verdict_lines(decision):
 def markdown(found, protocol, decision, facts, pooled, pilot_blocks, by_kind, partial=()):
   """results.md; `facts`: {seed: block_facts} of the complete blocks."""
   n = len(facts)
-  state = (f"{n} blocks, as registered" if decision["final"]
-           else f"interim, {n} of {len(SEEDS)} blocks, no call")
-  lines = [f"# {CONFIRM.title}: {state}", "",
+  lines = [f"# {CONFIRM.title}: {n} blocks, as registered", "",
            f"Blocks (seeds): {', '.join(map(str, facts)) or 'none yet'}."
            + blocks.partial_note(partial),
            "Cells: the paired difference B - A over the blocks, its mean and 95% t "

@@ -44,7 +44,7 @@ def identity():
   facts = host.describe()
   out = {k: facts[k] for k in ("cpu", "cpu_id", "flags", "cores", "tensorflow", "onednn")}
   out["python"] = platform.python_version()
-  out["numpy"] = _version("numpy")
+  out["numpy"] = host.version("numpy")
   return out
 
 
@@ -55,13 +55,6 @@ def differs(first, now):
     if first.get(key) != now.get(key):
       return f"{key}: {first.get(key)} -> {now.get(key)}"
   return None
-
-
-def _version(package):
-  try:
-    return importlib.metadata.version(package)
-  except importlib.metadata.PackageNotFoundError:
-    return None
 
 
 def _normal(name):
