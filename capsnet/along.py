@@ -1,15 +1,13 @@
-"""The stop_gradient question along training (docs/along.md): a block is
-one seed's r1_recon, r3_recon and r3_recon_nostop, 10 epochs on the paper's
-schedule, the weights kept at epochs 1, 2, 5 and 10 each scored on the test
-and affine sets; the report computes the registered rule from the run files.
+"""The stop_gradient question along training (docs/along.md; its blocks as
+`protocols.ALONG` declares them); the report computes its rule from the run
+files.
 
   python -m capsnet.along --first_seed=K --seeds=1 --out=$HOME/along   # block K
   python -m capsnet.along --seeds=5 --out=study/along --train=false   # the report
   python -m capsnet.along --seeds=1 --epochs=2 --kept=1,2 -- --train_size=2000  # a try
 
-Each scored run's small files (never a checkpoint) are copied to --publish
-with the report of every block published there; committing them is the
-user's.
+Each scored run's small files (never a checkpoint) and the report of every
+block are published to --publish; committing them is the user's.
 """
 import dataclasses
 import os

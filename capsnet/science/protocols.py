@@ -8,9 +8,7 @@ import dataclasses
 
 from capsnet.running import schedule
 
-# Weight averaging of the variants that use it: a time constant of 1,000
-# steps, about 2.3 epochs of 429 steps.
-EMA_DECAY = 0.999
+EMA_DECAY = 0.999   # weight averaging: a time constant of 1,000 steps, 2.3 epochs
 
 _RECON = dict(stop_gradient=True, use_decoder=True)
 
@@ -33,8 +31,7 @@ BEST_VALIDATION = (
 SHORT_MEASURES = (("test_error", "test error, %", "+.3f"),
                   ("test_margin_loss", "mean test margin loss per example", "+.5f"),
                   ("affine_error", "affine-test error, %", "+.3f"))
-# Beside the short protocol's registered measures, not part of its rule: a
-# figure no checkpoint choice touches.
+# Beside the short protocol's measures, not in its rule: no checkpoint choice touches it.
 SELECTION_FREE = (("last_val_loss", "validation loss at the last step "
                    "(selection-free; descriptive)", "+.5f"),)
 ALONG_MEASURES = (("test_margin_loss", "mean test margin loss (primary)", "+.5f"),
