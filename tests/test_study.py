@@ -159,7 +159,7 @@ def test_study_cli_runs_then_skips(tmp_path):
   for name in ("results.md", "results.json", "val_error.png", "diagnostic.png",
                "r2_nostop_seed0.log", "r2_nostop_seed0/test_results.json"):
     assert os.path.exists(os.path.join(out, name)), name
-  (row,) = json.load(open(os.path.join(out, "results.json")))
+  (row,) = json.load(open(os.path.join(out, "results.json")))["rows"]
   test = json.load(open(os.path.join(out, "r2_nostop_seed0", "test_results.json")))
   assert row["variant"] == "r2_nostop" and row["seeds"] == 1
   assert row["test_errors"] == [test["error_percent"]]

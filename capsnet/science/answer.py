@@ -48,12 +48,16 @@ def _grid_row(label, selection, runs_by_variant):
         for key, _, _ in MEASURES}
   for v in ROUTED:
     found = list(runs_by_variant.get(v, {}).values())
-    row["mechanism"][v] = {
-        "max_c": report.mean_or_none(
-            (x.get("routing") or {}).get("own", {}).get("max_c", [None])[-1] for x in found),
-        "grad_share": report.mean_or_none(x["diag"]["digit_caps/weights"][1] for x in found),
-        "n": len(found)}
+    row["mechanism"][v] = _mechanism(
+        [(x.get("routing") or {}).get("own", {}).get("max_c", [None])[-1] for x in found],
+        [x["diag"]["digit_caps/weights"][1] for x in found])
   return row
+
+
+def _mechanism(max_c, grad_share):
+  """The mean largest coupling and gradient share of a variant's runs, and n."""
+  return {"max_c": report.mean_or_none(max_c), "grad_share": report.mean_or_none(grad_share),
+          "n": len(max_c)}
 
 
 def rows(study, names=ANSWERED):
@@ -82,9 +86,8 @@ def rows(study, names=ANSWERED):
       for v in ROUTED:
         per = [m[str(epoch)] for m in along["runs"].get(v, {}).values()
                if str(epoch) in m]
-        row["mechanism"][v] = {"max_c": report.mean_or_none(m.get("max_c") for m in per),
-                               "grad_share": report.mean_or_none(m.get("grad_share") for m in per),
-                               "n": len(per)}
+        row["mechanism"][v] = _mechanism([m.get("max_c") for m in per],
+                                         [m.get("grad_share") for m in per])
       out.append(row)
   table1 = _read(study, "table1") if "table1" in names else None
   if table1:

@@ -56,15 +56,6 @@ def settings(protocol):
           "kept": protocol.kept}
 
 
-def run_blocks(out, seeds, protocol, publish, extra=()):
-  """Trains (or resumes) and scores the blocks of `seeds` in `out` as the
-  `protocol` has them, each run published to `publish` (None: nowhere) as it
-  is scored."""
-  os.makedirs(out, exist_ok=True)
-  for seed in seeds:
-    run_block(out, seed, protocol, publish, extra)
-
-
 def publish_folder(publish, out):
   """Where a command's runs and report are published: `publish`, or None
   where it is `out` itself (or not given)."""
@@ -72,10 +63,12 @@ def publish_folder(publish, out):
   return None if same else publish
 
 
-def run_block(out, seed, protocol, publish, extra=()):
-  """Trains (or resumes) in `out` and scores one seed's runs, publishing each."""
+def run_blocks(out, seeds, protocol, publish, extra=()):
+  """Trains (or resumes) and scores the blocks of `seeds` in `out` as the
+  `protocol` has them, each run published to `publish` (None: nowhere) as it
+  is scored."""
   run_settings = settings(protocol)
-  for variant, spec in protocol.variants.items():
+  for seed, (variant, spec) in ((s, v) for s in seeds for v in protocol.variants.items()):
     folder = study_report.run_dir(out, variant, seed)
     if not study_report.is_complete(folder, protocol.epochs):
       grids.run_one(spec, seed, folder, run_settings,
@@ -164,8 +157,8 @@ def compare(found, protocol):
     for key, _, _ in protocol.measures:
       per_epoch = {}
       for epoch in protocol.kept:
-        d = stats.paired_difference(_figures(found, a, epoch, key),
-                                    _figures(found, b, epoch, key))
+        d = stats.paired_difference(figures(found, a, epoch, key),
+                                    figures(found, b, epoch, key))
         if d is not None:
           per_epoch[epoch] = d
       table.setdefault((a, b), {})[key] = per_epoch
@@ -178,7 +171,7 @@ def compare(found, protocol):
   return table, reversals
 
 
-def _figures(found, variant, epoch, key):
+def figures(found, variant, epoch, key):
   """{seed: the measure `key` at `epoch`} of the variant's runs that reached it."""
   return {s: m[epoch][key] for s, m in found.get(variant, {}).items() if epoch in m}
 

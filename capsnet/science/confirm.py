@@ -91,7 +91,7 @@ def power_lines(pilot_found, protocol):
   """The registered power computation as lines of text: the pilot's sd of the
   primary difference, its 95% interval (four degrees of freedom), and the power
   of n blocks."""
-  d = _primary(pilot_found, protocol)
+  d = _difference(pilot_found, PRIMARY, protocol)
   if d is None or d["sd"] is None:
     raise ValueError("the pilot has fewer than two complete blocks")
   sd, effect, target = d["sd"], POWER["effect"], POWER["target"]
@@ -120,22 +120,17 @@ def power_lines(pilot_found, protocol):
   return lines
 
 
-def _primary(found, protocol):
-  return _difference(found, PRIMARY[:2], protocol)
-
-
 def _difference(found, pair, protocol, level=0.95):
   if EPOCH not in protocol.kept:
     return None
-  def figure(variant):
-    return {s: m[EPOCH][MEASURE] for s, m in found.get(variant, {}).items() if EPOCH in m}
-  return stats.paired_difference(figure(pair[0]), figure(pair[1]), level)
+  return stats.paired_difference(*(blocks.figures(found, v, EPOCH, MEASURE) for v in pair[:2]),
+                                 level)
 
 
 def decide(found, protocol, final):
   """The registered calls: {"primary", "equivalence", "secondary", "claim"}.
   Interim (`final` False): the figures without a call."""
-  primary = _primary(found, protocol)
+  primary = _difference(found, PRIMARY, protocol)
   within = _difference(found, PRIMARY[:2], protocol, level=0.90)
   second = [_difference(found, (a, b), protocol) for a, b, _ in SECONDARY]
   p_values = [stats.t_p_value(d) for d in second]
