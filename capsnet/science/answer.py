@@ -14,7 +14,8 @@ MEASURES = (("test_margin_loss", "mean test margin loss (the protocols' primary 
              "measure)", "+.5f"),
             ("test_error", "test error, % points", "+.3f"))
 
-ROUTED = ("r3_recon", "r3_recon_nostop")   # the variants whose couplings move
+ROUTED = tuple(v for v, flags in protocols.STOP_VARIANTS.items()   # couplings that move
+               if flags["iter_routing"] > 1)
 
 ANSWERED = ("short", "along", "table1")   # study/<name>/results.json, shortest first
 

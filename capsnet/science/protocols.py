@@ -103,15 +103,15 @@ ALONG = Protocol("along", "The stop_gradient question along training (docs/along
 # docs/confirm.md: sixteen fresh blocks of the along protocol (n fixed by the
 # power to call 0.06 points), fp32, 48 runs in a registered sequence; the
 # primary and the Holm-corrected secondary pair on the test error at epoch 10.
-CONFIRM = Protocol("confirm", "The stop_gradient question, confirmatory (docs/confirm.md)",
-                   STOP_VARIANTS, measures=ALONG_MEASURES, seeds=tuple(range(5, 21)),
-                   epochs=10, kept=(1, 2, 5, 10), pairs=STOP_PAIRS, primary=STOP_PAIRS[0],
-                   secondary=STOP_PAIRS[1:], precision="fp32", unit="block", rule={
-                       "measure": "test_error", "epoch": 10, "alpha": 0.05,
-                       "margin": 0.06,              # equivalence: the 90% interval inside
-                       "margin_descriptive": 0.10,  # the same test, reported beside it
-                       "power": {"effect": 0.06, "target": 0.80},
-                       "order_seed": 20261205})     # the shuffle of the blocks' orders
+CONFIRM = dataclasses.replace(
+    ALONG, name="confirm", title="The stop_gradient question, confirmatory (docs/confirm.md)",
+    seeds=tuple(range(5, 21)), primary=STOP_PAIRS[0], secondary=STOP_PAIRS[1:],
+    precision="fp32", rule={
+        "measure": "test_error", "epoch": 10, "alpha": 0.05,
+        "margin": 0.06,              # equivalence: the 90% interval inside +-0.06 points
+        "margin_descriptive": 0.10,  # the same test, reported beside it
+        "power": {"effect": 0.06, "target": 0.80},
+        "order_seed": 20261205})     # the shuffle of the blocks' orders
 
 # Section 6: an epoch is 55,000 pairs drawn on the fly.
 MULTIMNIST = Protocol("multimnist", "CapsNet on MultiMNIST (both digits right)", {
