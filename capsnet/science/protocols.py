@@ -86,16 +86,13 @@ TABLE1 = Protocol("table1", "CapsNet on MNIST: the rows of Table 1", {
                               capsule_layers="official", ema_decay=EMA_DECAY)},
     epochs=50, pairs=STOP_PAIRS)
 
-# docs/short.md: the stop_gradient question in runs that fit a sitting, 5
-# epochs on a schedule compressed to a decay every 14 steps, blocks of seeds;
-# its three measures, each finished run scored on the affine sets.
+# docs/short.md: the stop_gradient question in runs that fit a sitting.
 SHORT = Protocol("short", "CapsNet on MNIST: the short protocol (5 epochs)", STOP_VARIANTS,
                  measures=SHORT_MEASURES, epochs=5, decay_steps=14, pairs=STOP_PAIRS,
                  unit="block", affine=True, descriptive=SELECTION_FREE, within=True,
                  note=" (nine intervals at 95% each, not corrected for multiplicity)")
 
-# docs/along.md: blocks of the three variants, 10 epochs on the paper's
-# schedule, the weights kept at four epochs, each scored once.
+# docs/along.md: the question along training, no checkpoint selection.
 ALONG = Protocol("along", "The stop_gradient question along training (docs/along.md)",
                  STOP_VARIANTS, measures=ALONG_MEASURES, seeds=tuple(range(0, 5)), epochs=10,
                  kept=(1, 2, 5, 10), pairs=STOP_PAIRS, unit="block")
