@@ -16,6 +16,7 @@ run files alone; while blocks are missing it shows progress only.
 """
 import dataclasses
 import os
+import subprocess
 import sys
 
 from absl import app
@@ -111,7 +112,9 @@ def audit(publish):
     sys.exit(f"confirm: error: {grids.ROOT}: no git history that adds {confirm_run.LOCK}")
   with open(os.path.join(grids.ROOT, "docs", "confirm.md")) as f:
     page = f.read()
-  breaches = confirm_audit.audit(publish, registered, page)
+  registered_page = subprocess.run(["git", "show", f"{registered}:docs/confirm.md"],
+                                   cwd=grids.ROOT, capture_output=True, text=True).stdout
+  breaches = confirm_audit.audit(publish, registered, page, registered_page)
   for line in breaches:
     print(f"confirm: audit: {line}", file=sys.stderr)
   if breaches:

@@ -202,6 +202,17 @@ def test_the_page_must_print_the_registered_order_table(tmp_path):
       "docs/confirm.md: the order table is not the registered shuffle's"]
 
 
+def test_the_page_above_its_results_line_is_the_registrations(tmp_path):
+  with open(os.path.join(ROOT, "docs", "confirm.md")) as f:
+    page = f.read()
+  above, below = page.split(confirm_audit.RESULTS_LINE)
+  later = above + confirm_audit.RESULTS_LINE + below + "\nA result added below the line.\n"
+  assert confirm_audit.audit(str(tmp_path), COMMIT, later, page) == []
+  amended = page.replace("n = 16 is fixed regardless", "n = 20 is fixed regardless")
+  assert confirm_audit.audit(str(tmp_path), COMMIT, amended, page) == [
+      "docs/confirm.md: changed above its results line since the registration"]
+
+
 @pytest.mark.integration
 def test_the_audit_command_on_the_committed_runs():
   """The published runs pass (exit 0, one line); a breach exits 1 naming it."""

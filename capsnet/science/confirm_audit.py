@@ -25,13 +25,20 @@ def _paper_layers(variant):
   return {k: v for k, v in (pilot or {}).get("model", {}).items() if k not in NOT_LAYERS}
 
 
-def audit(publish, registered, page=None):
+RESULTS_LINE = "\n---\n\n## Results"   # nothing above it changes after the registration
+
+
+def audit(publish, registered, page=None, registered_page=None):
   """The breaches of the published runs in `publish` against the registration
-  (`registered`: its commit; `page`: docs/confirm.md's text, for the order
-  table), one line each; [] when there is none."""
+  (`registered`: its commit; `page`: docs/confirm.md's text now, for the order
+  table; `registered_page`: its text at the registration), one line each; []
+  when there is none."""
   breaches = []
   if page is not None and "\n".join(confirm.table_lines()) not in page:
     breaches.append("docs/confirm.md: the order table is not the registered shuffle's")
+  if page is not None and registered_page is not None and (
+      page.split(RESULTS_LINE)[0] != registered_page.split(RESULTS_LINE)[0]):
+    breaches.append("docs/confirm.md: changed above its results line since the registration")
   try:
     stops = confirm.partway_rows(publish)
   except runs.RunError as e:
