@@ -87,6 +87,18 @@ def test_a_resume_from_the_committed_state_and_a_restart_with_its_lost_attempt_p
   assert confirm_audit.audit(pub, COMMIT) == []
 
 
+def test_a_resume_after_a_kill_passes_and_the_report_says_killed(tmp_path):
+  """An attempt with no end was killed (it could record no part-way state):
+  its resume on the same host identity passes; the report lists the kill."""
+  pub = str(tmp_path)
+  (s1, v1), = confirm.sequence()[:1]
+  publish_run(pub, s1, v1, [attempt(), attempt("resume", from_step=3432,
+                                               from_digest="f" * 64, end={"why": "ended"})])
+  assert confirm_audit.audit(pub, COMMIT) == []
+  report = confirm.progress_report(pub, [], str(tmp_path / "report"))
+  assert "| start (killed: no end recorded), resume |" in report
+
+
 @pytest.mark.parametrize("breach, said", [
     ("commit", "attempt 1 ran from 0000000, not the registration"),
     ("unchecked", "attempt 1 ran unchecked"),
@@ -154,8 +166,9 @@ def test_breaches_of_the_sequence_and_of_the_stops_are_named(tmp_path):
   name = confirm.folder_name(confirm.sequence()[0])
   stop(pub, name, 500, "c" * 64)                  # a stop nobody resumed
   stop(pub, "r2_seed5", 1, "d" * 64)              # a stop of no run
-  edit(os.path.join(pub, name, "host.json"), lambda h: h["attempts"].append(
-      attempt("resume", from_step=700, from_digest="e" * 64)))
+  edit(os.path.join(pub, name, "host.json"), lambda h: h["attempts"].__setitem__(
+      slice(None), [attempt(end={"why": "stopped by SIGTERM", "step": 700}),
+                    attempt("resume", from_step=700, from_digest="e" * 64)]))
   found = confirm_audit.audit(pub, COMMIT)
   assert f"{confirm.folder_name(third)}: published out of turn (the sequence's next due is " \
          f"{confirm.folder_name(confirm.sequence()[1])})" in found

@@ -328,10 +328,14 @@ def report(out, protocol, pilot, folder):
 
 def attempts_of(folder):
   """[(kind, reason or "")] of a run's attempts in its host.json, lost ones
-  first (as "lost")."""
+  first (as "lost"); an attempt followed by another with no end recorded was
+  killed."""
   record = runs.RunFolder(folder).read_json(runs.HOST_FILE) or {}
+  attempts = record.get("attempts", [])
   return ([("lost", a.get("lost") or a.get("reason") or "") for a in record.get("lost", [])]
-          + [(a.get("kind", "?"), a.get("reason", "")) for a in record.get("attempts", [])])
+          + [(a.get("kind", "?"), a.get("reason") or (
+              "killed: no end recorded" if "end" not in a and k < len(attempts) else ""))
+             for k, a in enumerate(attempts, 1)])
 
 
 def progress_report(out, complete, folder):

@@ -99,11 +99,15 @@ def _run_breaches(folder, seed, variant, registered, stops):
     elif confirm_run.differs(first.get("identity") or {}, a.get("identity") or {}):
       out.append(f"attempt {k} resumed on another host identity "
                  f"({confirm_run.differs(first['identity'], a['identity'])})")
-  # Every committed stop is either resumed from, exactly, or lost with a restart.
+  # Every committed stop is either resumed from, exactly, or lost with a restart;
+  # a stop the command recorded (its attempt's end) has its state committed. An
+  # attempt with no end was killed (nothing could be recorded): its resume, on the
+  # same host identity, is the page's resume of a killed run, listed as such.
   resumes = [(a.get("from_step"), a.get("from_digest")) for a in attempts[1:]]
   lost = [(r.get("step"), r.get("digest")) for r in record.get("lost", [])]
   for k, (step, digest) in enumerate(resumes, 2):
-    if not any((r.get("step"), r.get("digest")) == (step, digest) for r in stops):
+    if "end" in attempts[k - 2] and not any(
+        (r.get("step"), r.get("digest")) == (step, digest) for r in stops):
       out.append(f"attempt {k} resumed from step {step} ({str(digest)[:12]}), not a "
                  "committed part-way state")
   for r in stops:
