@@ -166,9 +166,9 @@ def test_breaches_of_the_sequence_and_of_the_stops_are_named(tmp_path):
   name = confirm.folder_name(confirm.sequence()[0])
   stop(pub, name, 500, "c" * 64)                  # a stop nobody resumed
   stop(pub, "r2_seed5", 1, "d" * 64)              # a stop of no run
-  edit(os.path.join(pub, name, "host.json"), lambda h: h["attempts"].__setitem__(
-      slice(None), [attempt(end={"why": "stopped by SIGTERM", "step": 700}),
-                    attempt("resume", from_step=700, from_digest="e" * 64)]))
+  edit(os.path.join(pub, name, "host.json"), lambda h: h.update(attempts=[
+      attempt(end={"why": "stopped by SIGTERM", "step": 700}),
+      attempt("resume", from_step=700, from_digest="e" * 64)]))
   found = confirm_audit.audit(pub, COMMIT)
   assert f"{confirm.folder_name(third)}: published out of turn (the sequence's next due is " \
          f"{confirm.folder_name(confirm.sequence()[1])})" in found

@@ -326,16 +326,21 @@ def report(out, protocol, pilot, folder):
   return text
 
 
+def killed(attempt):
+  """Whether an attempt that another followed was killed: it recorded no end
+  (nor, then, a part-way state)."""
+  return "end" not in attempt
+
+
 def attempts_of(folder):
   """[(kind, reason or "")] of a run's attempts in its host.json, lost ones
-  first (as "lost"); an attempt followed by another with no end recorded was
-  killed."""
+  first (as "lost"); a killed attempt says so."""
   record = runs.RunFolder(folder).read_json(runs.HOST_FILE) or {}
   attempts = record.get("attempts", [])
   return ([("lost", a.get("lost") or a.get("reason") or "") for a in record.get("lost", [])]
           + [(a.get("kind", "?"), a.get("reason") or (
-              "killed: no end recorded" if "end" not in a and k < len(attempts) else ""))
-             for k, a in enumerate(attempts, 1)])
+              "killed: no end recorded" if a is not attempts[-1] and killed(a) else ""))
+             for a in attempts])
 
 
 def progress_report(out, complete, folder):

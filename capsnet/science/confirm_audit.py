@@ -106,7 +106,7 @@ def _run_breaches(folder, seed, variant, registered, stops):
   resumes = [(a.get("from_step"), a.get("from_digest")) for a in attempts[1:]]
   lost = [(r.get("step"), r.get("digest")) for r in record.get("lost", [])]
   for k, (step, digest) in enumerate(resumes, 2):
-    if "end" in attempts[k - 2] and not any(
+    if not confirm.killed(attempts[k - 2]) and not any(
         (r.get("step"), r.get("digest")) == (step, digest) for r in stops):
       out.append(f"attempt {k} resumed from step {step} ({str(digest)[:12]}), not a "
                  "committed part-way state")
