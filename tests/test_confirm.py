@@ -174,6 +174,30 @@ def fake_block(out, seed, errs, cpu_id="AuthenticAMD family 25 model 17"):
                  "train": {"seed": seed}}, f)
 
 
+def test_the_interim_report_shows_a_part_way_run_by_its_newest_stop(tmp_path):
+  """The due run, not yet published, stands at its newest committed stop: its
+  step (or "unknown", for a lost attempt written by hand) on that stop's host."""
+  out = tmp_path / "confirm"
+  fake_block(str(out), SEEDS[0], errors(0.05, 0.0, 0.10))
+  due = study_report.run_name(confirm.sequence()[3][1], confirm.sequence()[3][0])
+  xeon = {"cpu": "Intel(R) Xeon(R) Processor", "cpu_id": "GenuineIntel family 6 model 167"}
+  rows = [{"run": due, "step": 1615, "digest": "a" * 64, "why": "stopped by SIGTERM",
+           "identity": xeon},
+          {"run": due, "step": None, "digest": None, "why": "killed outright",
+           "identity": dict(xeon, cpu_id="GenuineIntel family 6 model 143")}]
+  with open(out / confirm.PARTWAY_FILE, "w") as f:
+    f.write("".join(json.dumps(r) + "\n" for r in rows[:1]))
+  text = confirm.progress_report(str(out), [], str(out))
+  assert (f"| 4 | {due} | part-way (step 1615) | Intel(R) Xeon(R) Processor, GenuineIntel "
+          "family 6 model 167 | stop (stopped by SIGTERM) |") in text
+  with open(out / confirm.PARTWAY_FILE, "a") as f:
+    f.write(json.dumps(rows[1]) + "\n")
+  text = confirm.progress_report(str(out), [], str(out))
+  assert (f"| 4 | {due} | part-way (step unknown) | Intel(R) Xeon(R) Processor, GenuineIntel "
+          "family 6 model 143 | stop (stopped by SIGTERM), stop (killed outright) |") in text
+  assert json.loads((out / "results.json").read_text())["partway_stops"] == 2
+
+
 def _confirm(*args):
   """capsnet.confirm as a user starts it (give --publish: its default is the
   repository's study/confirm)."""

@@ -354,15 +354,19 @@ def progress_report(out, complete, folder):
   for position, (seed, variant) in enumerate(sequence(), 1):
     name = folder_name((seed, variant))
     path = os.path.join(out, name)
+    own = [r for r in stops if r.get("run") == name]
     if (seed, variant) in done:
       state = ended(path)
-    elif (seed, variant) == due and any(r.get("run") == name for r in stops):
-      state = f"part-way (step {[r for r in stops if r.get('run') == name][-1]['step']})"
+      record = runs.RunFolder(path).read_json(runs.HOST_FILE) or {}
+    elif (seed, variant) == due and own:
+      # not published yet: its newest stop says where it stands and on what host
+      step = own[-1].get("step")
+      state = f"part-way (step {'unknown' if step is None else step})"
+      record = {"started": own[-1].get("identity") or {}}
     else:
       continue
-    record = runs.RunFolder(path).read_json(runs.HOST_FILE) or {}
     kinds = attempts_of(path) if (seed, variant) in done else [
-        ("stop", r.get("why", "")) for r in stops if r.get("run") == name]
+        ("stop", r.get("why", "")) for r in own]
     rows.append([position, name, state, host_kind(record),
                  ", ".join(k + (f" ({why})" if why else "") for k, why in kinds)])
     payload_runs.append({"position": position, "run": name, "state": state,
