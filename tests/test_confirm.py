@@ -179,7 +179,7 @@ def test_the_interim_report_shows_a_part_way_run_by_its_newest_stop(tmp_path):
   step (or "unknown", for a lost attempt written by hand) on that stop's host."""
   out = tmp_path / "confirm"
   fake_block(str(out), SEEDS[0], errors(0.05, 0.0, 0.10))
-  due = study_report.run_name(confirm.sequence()[3][1], confirm.sequence()[3][0])
+  due = confirm.folder_name(confirm.sequence()[3])
   xeon = {"cpu": "Intel(R) Xeon(R) Processor", "cpu_id": "GenuineIntel family 6 model 167"}
   rows = [{"run": due, "step": 1615, "digest": "a" * 64, "why": "stopped by SIGTERM",
            "identity": xeon},

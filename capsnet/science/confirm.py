@@ -358,15 +358,15 @@ def progress_report(out, complete, folder):
     if (seed, variant) in done:
       state = ended(path)
       record = runs.RunFolder(path).read_json(runs.HOST_FILE) or {}
+      kinds = attempts_of(path)
     elif (seed, variant) == due and own:
       # not published yet: its newest stop says where it stands and on what host
       step = own[-1].get("step")
       state = f"part-way (step {'unknown' if step is None else step})"
       record = {"started": own[-1].get("identity") or {}}
+      kinds = [("stop", r.get("why", "")) for r in own]
     else:
       continue
-    kinds = attempts_of(path) if (seed, variant) in done else [
-        ("stop", r.get("why", "")) for r in own]
     rows.append([position, name, state, host_kind(record),
                  ", ".join(k + (f" ({why})" if why else "") for k, why in kinds)])
     payload_runs.append({"position": position, "run": name, "state": state,
