@@ -251,3 +251,25 @@ def test_the_audit_command_names_a_breach_and_exits_1(tmp_path):
   assert lines and all(line.startswith("confirm: audit: ") for line in lines)
   assert any(f"attempt 1 ran from {'0' * 40}, not the registration" in line
              for line in lines), lines
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("damaged", ["host.json", confirm.PARTWAY_FILE])
+def test_a_damaged_record_is_named_in_one_line_and_exits_1(tmp_path, damaged):
+  """A user's damaged host.json (of any published run) or partway.jsonl: one
+  line naming the file, exit 1, no traceback."""
+  if confirm_run.registration_commit(ROOT) is None:
+    pytest.skip("no git history of docs/confirm.lock")
+  folders = first_runs(str(tmp_path), 2)
+  path = os.path.join(folders[1] if damaged == "host.json" else str(tmp_path), damaged)
+  with open(path, "w") as f:
+    f.write('{"attempts": [\n')
+  proc = subprocess.run([sys.executable, "-m", "capsnet.confirm", "--audit",
+                         f"--publish={tmp_path}"], cwd=ROOT, capture_output=True, text=True,
+                        timeout=120)
+  assert proc.returncode == 1
+  lines = [line for line in proc.stderr.splitlines() if line.startswith("confirm: ")]
+  assert lines == [line for line in proc.stderr.splitlines()
+                   if "Traceback" in line or line.startswith("confirm: ")], proc.stderr
+  assert len(lines) == 1 and lines[0].startswith(f"confirm: audit: {path}: ")
+  assert "not a JSON" in lines[0]

@@ -39,14 +39,14 @@ def audit(publish, registered, page=None, registered_page=None):
   if page is not None and registered_page is not None and (
       page.split(RESULTS_LINE)[0] != registered_page.split(RESULTS_LINE)[0]):
     breaches.append("docs/confirm.md: changed above its results line since the registration")
-  try:
+  try:   # a damaged record is named in one line; nothing past it can be read
     stops = confirm.partway_rows(publish)
+    done, due = confirm.progress(publish)
   except runs.RunError as e:
     return breaches + [str(e)]
   names = {confirm.folder_name(r): r for r in confirm.sequence()}
   present = sorted(n for n in os.listdir(publish) if os.path.isdir(os.path.join(publish, n))
                    ) if os.path.isdir(publish) else []
-  done, due = confirm.progress(publish)
   in_order = [confirm.folder_name(r) for r in done]
   for name in present:
     if name not in names:
