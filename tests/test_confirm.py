@@ -2,12 +2,15 @@
 fixed its sixteen blocks, the registered rule (primary, equivalence, Holm's
 secondary pair and the claim's verdict) on made-up blocks, the report from
 run files, interim while blocks are missing, and its refusals."""
+import io
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tarfile
 import time
 
 import numpy as np
@@ -16,6 +19,7 @@ import pytest
 from capsnet.running import host
 from capsnet.science import blocks
 from capsnet.science import confirm
+from capsnet.science import confirm_run
 from capsnet.science import report as study_report
 from capsnet.science import stats
 from conftest import ROOT
@@ -150,28 +154,43 @@ def test_host_kind_from_cpuinfo(tmp_path):
       "AMD EPYC, AVX-512")
 
 
-def fake_block(out, seed, errs, cpu_id="AuthenticAMD family 25 model 17"):
-  """One block's three runs as the protocol leaves them (small files only)."""
-  for variant in CONFIRM.variants:
+def scoring(rng, percent):
+  """A made-up scoring of the 10,000 test images: `percent` of them wrong."""
+  wrong = rng.choice(10000, round(percent * 100), replace=False)
+  return {"count": 10000, "error_percent": percent, "margin_loss_mean": 0.01,
+          "wrong": sorted(wrong.tolist())}
+
+
+def fake_block(out, seed, errs, cpu_id="AuthenticAMD family 25 model 17", shared=True):
+  """One block's three runs as the protocol leaves them (small files only):
+  each scoring with its misclassified indices, each run's attempt with its host
+  identity (`shared` False: r3_recon_nostop's differs in its numpy)."""
+  for k, variant in enumerate(CONFIRM.variants):
     folder = os.path.join(out, study_report.run_name(variant, seed))
     os.makedirs(folder)
     with open(os.path.join(folder, "metrics.jsonl"), "w") as f:
       for epoch in range(1, 11):
         f.write(json.dumps({"epoch": epoch, "step": 429 * epoch, "kind": "epoch",
-                            "train_loss": 0.1 / epoch, "val_loss": 0.05 / epoch}) + "\n")
+                            "train_loss": 0.1 / epoch, "val_loss": 0.05 / epoch,
+                            "val_error_percent": errs[variant][seed] + 0.1 / epoch})
+                + "\n")
+    rng = np.random.RandomState(100 * seed + k)
     results = {str(e): {"epoch": e, "step": 429 * e,
-                        "test": {"count": 10000, "margin_loss_mean": 0.01 / e,
-                                 "error_percent": errs[variant][seed] + 0.1 * (10 - e)},
-                        "affine": {"count": 10000, "error_percent": 2.0}} for e in KEPT}
+                        "test": scoring(rng, errs[variant][seed] + 0.1 * (10 - e)),
+                        "affine": scoring(rng, 2.0)} for e in KEPT}
     with open(os.path.join(folder, blocks.RESULTS_FILE), "w") as f:
       json.dump(results, f)
+    identity = {"cpu": "AMD EPYC", "cpu_id": cpu_id, "flags": ["avx2"], "numpy": "2.4.6"}
+    if not shared and variant == "r3_recon_nostop":
+      identity["numpy"] = "2.4.7"
     with open(os.path.join(folder, "host.json"), "w") as f:
       json.dump({"started": {"cpu": "AMD EPYC", "cpu_id": cpu_id, "flags": ["avx2"],
                              "commit": "abc123def4567890"}, "resumed": [],
-                 "attempts": [{"kind": "start"}], "outcome": "completed"}, f)
+                 "attempts": [{"kind": "start", "identity": identity}],
+                 "outcome": "completed"}, f)
     with open(os.path.join(folder, "config.json"), "w") as f:
       json.dump({"model": {"precision": "fp32", "conv_plan": "conv1:conv2d,primary_caps:dft"},
-                 "train": {"seed": seed}}, f)
+                 "train": {"seed": seed, "val_size": 5000}}, f)
 
 
 def test_the_interim_report_shows_a_part_way_run_by_its_newest_stop(tmp_path):
@@ -230,8 +249,11 @@ def test_the_report_from_files_interim_then_final_and_the_same_bytes(tmp_path):
          "r = 3): **supported**" in text
   assert "| 20 | AMD EPYC | AMD EPYC, AuthenticAMD family 25 model 17 | abc123def456 " \
          "| fp32 | conv1:conv2d,primary_caps:dft |" in text
+  assert "- Exact sign-flip p over all 65,536 sign patterns of the block differences: " in text
+  assert "### Every resume and every restart" in text
   payload = json.loads((out / "results.json").read_text())
   assert payload["final"] and payload["blocks"] == list(SEEDS)
+  assert payload["descriptive"]["bootstrap"]["resamples"] == 10000
   assert [k["kind"] for k in payload["by_host_kind"]] == [
       "AMD EPYC, AuthenticAMD family 25 model 1", "AMD EPYC, AuthenticAMD family 25 model 17",
       "AMD EPYC, AuthenticAMD family 26 model 1"]
@@ -321,3 +343,37 @@ def test_runs_end_to_end_on_a_small_model_stopped_and_resumed(tmp_path):
   assert (resumed["from_step"], resumed["from_digest"]) == (rows[0]["step"], rows[0]["digest"])
   text = (pub / "results.md").read_text()
   assert text.splitlines()[0].endswith(": interim, 2 of 48 runs, 0 of 16 blocks complete")
+
+
+@pytest.mark.integration
+def test_the_registered_answer_is_the_registrations_own(tmp_path):
+  """On a made-up complete study, the registration's code (its commit's
+  files, run as docs/confirm.md says) and main's write the same registered
+  answer, line for line, and the same decision in results.json."""
+  registered = confirm_run.registration_commit(ROOT)
+  if registered is None:
+    pytest.skip("no git history of docs/confirm.lock")
+  code = tmp_path / "registration"
+  code.mkdir()
+  archive = subprocess.run(["git", "archive", registered, "capsnet", "study/along"],
+                           cwd=ROOT, capture_output=True, check=True).stdout
+  with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+    tar.extractall(code, filter="data")
+  errs = errors(0.02, 0.0, 0.03, spread=2.0)
+  for seed in SEEDS:
+    fake_block(str(tmp_path / "main"), seed, errs, shared=seed % 3 != 0)
+  shutil.copytree(tmp_path / "main", tmp_path / "theirs")
+  env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+  for folder, cwd in (("main", ROOT), ("theirs", code)):
+    proc = subprocess.run([sys.executable, "-m", "capsnet.confirm", "--train=false",
+                           f"--out={tmp_path / folder}"], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+  ours, theirs = ((tmp_path / f / "results.md").read_text() for f in ("main", "theirs"))
+  assert len(confirm.registered_answer(theirs)) == 8
+  assert confirm.registered_answer(ours) == confirm.registered_answer(theirs)
+  assert "## Descriptive, added after the registration: never called" not in theirs
+  assert "## Descriptive, added after the registration: never called" in ours
+  decisions = [json.loads((tmp_path / f / "results.json").read_text())["decision"]
+               for f in ("main", "theirs")]
+  assert decisions[0] == decisions[1]

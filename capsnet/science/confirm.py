@@ -10,6 +10,7 @@ import numpy as np
 from capsnet.running import files
 from capsnet.running import runs
 from capsnet.science import blocks
+from capsnet.science import descriptive
 from capsnet.science import grids
 from capsnet.science import protocols
 from capsnet.science import report as study_report
@@ -211,15 +212,32 @@ def _verdict_lines(decision):
   return lines
 
 
-def markdown(found, protocol, decision, facts, pooled, pilot_blocks, by_kind, partial=()):
-  """results.md; `facts`: {seed: block_facts} of the complete blocks."""
+REGISTERED_HEADING = "## The registered answer"
+
+
+def registered_answer(text):
+  """The lines of a final results.md's registered answer: its heading up to
+  the next section's ([] where there is none)."""
+  lines = text.splitlines()
+  if REGISTERED_HEADING not in lines:
+    return []
+  start = lines.index(REGISTERED_HEADING)
+  end = next((k for k in range(start + 1, len(lines)) if lines[k].startswith("## ")),
+             len(lines))
+  return lines[start:end]
+
+
+def markdown(found, protocol, decision, facts, pooled, pilot_blocks, by_kind, partial=(),
+             added=()):
+  """results.md; `facts`: {seed: block_facts} of the complete blocks; `added`:
+  the lines of the figures added after the registration."""
   n = len(facts)
   lines = [f"# {CONFIRM.title}: {n} blocks, as registered", "",
            f"Blocks (seeds): {', '.join(map(str, facts)) or 'none yet'}."
            + blocks.partial_note(partial),
            "Cells: the paired difference B - A over the blocks, its mean and 95% t "
            "interval; B - A > 0: A has the lower loss or error.", "",
-           "## The registered answer", ""] + _verdict_lines(decision) + [""]
+           REGISTERED_HEADING, ""] + _verdict_lines(decision) + [""]
   table, _ = blocks.compare(found, protocol)
   lines += ["## Descriptive: every measure and epoch", "",
             "Not part of the rule: **bold** marks an interval that excludes zero, "
@@ -237,7 +255,7 @@ def markdown(found, protocol, decision, facts, pooled, pilot_blocks, by_kind, pa
                               [[kind, ", ".join(map(str, seeds)), stats.cell(d, "+.3f", "–",
                                                                               True)]
                                for kind, seeds, d in by_kind])
-  lines += ["", "## The blocks", ""]
+  lines += ["", *added, "## The blocks", ""]
   lines += study_report.table(
       ["seed", "host", "host kind", "commit", "precision", "plan"],
       [[seed, f["host"], f["kind"], f["commit"], f["precision"], f["plan"]]
@@ -314,13 +332,19 @@ def report(out, protocol, pilot, folder):
     kinds.setdefault(fact["kind"], []).append(seed)
   by_kind = [(kind, seeds, _difference(blocks.only_seeds(found, seeds), PRIMARY[:2], protocol))
              for kind, seeds in sorted(kinds.items())]
-  text = markdown(found, protocol, decision, facts, pooled, pilot_done, by_kind, partial)
+  pilot_sd = (_difference(pilot_found, PRIMARY, protocol) or {}).get("sd")
+  added = descriptive.figures(
+      descriptive.read_blocks(out, done, protocol.variants, EPOCH), PRIMARY, pilot_sd,
+      POWER["effect"], ALPHA,
+      descriptive.resumes_and_restarts(out, [folder_name(r) for r in sequence()]))
+  text = markdown(found, protocol, decision, facts, pooled, pilot_done, by_kind, partial,
+                  descriptive.markdown_lines(added, PRIMARY[2], EPOCH))
   payload = {"title": CONFIRM.title, "final": final, "blocks": done, "incomplete_blocks": partial,
              "registered_seeds": list(SEEDS), "kept_epochs": list(protocol.kept),
              "decision": decision, "pilot_blocks": pilot_done,
              "pooled": [{"a": a, "b": b, **(d or {})} for (a, b, _), d in pooled],
              "by_host_kind": [{"kind": k, "blocks": s, **(d or {})} for k, s, d in by_kind],
-             "block_facts": {str(s): f for s, f in facts.items()}}
+             "block_facts": {str(s): f for s, f in facts.items()}, "descriptive": added}
   blocks.write_report(folder, text, payload, found)
   plot(found, protocol, decision, os.path.join(folder, "confirm.png"))
   return text
