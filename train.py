@@ -81,6 +81,8 @@ def main(argv):
     sys.exit(f"train.py: error: {e}")
   try:
     train(cfg, s, task, role, folder, splits)
+  except roles.Ended as e:   # a worker whose chief stopped or ended the run
+    sys.exit(e.status)
   except (recording.TrainingError, runs.RunError, cluster_spec.ClusterError) as e:
     sys.exit(f"train.py: error: {e}")
   except OSError as e:

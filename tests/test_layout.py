@@ -66,3 +66,42 @@ def test_every_top_level_module_is_in_the_readme_layout_and_every_folder_is_chec
   folders = sorted(n for n in os.listdir(os.path.join(ROOT, "capsnet"))
                    if os.path.isdir(os.path.join(ROOT, "capsnet", n)) and n != "__pycache__")
   assert folders == sorted(BELOW)
+
+
+def _exits_or_flags(path):
+  """The lines where a module imports absl's flags or app, or ends the
+  process (sys.exit, os._exit, exit(), quit())."""
+  found = []
+  for node in ast.walk(ast.parse(open(path).read(), path)):
+    if isinstance(node, ast.ImportFrom) and node.module in ("absl", "absl.flags", "absl.app"):
+      if node.module != "absl" or {a.name for a in node.names} & {"flags", "app"}:
+        found.append(f"{node.lineno}: from {node.module} import ...")
+    elif isinstance(node, ast.Import):
+      found += [f"{node.lineno}: import {a.name}" for a in node.names
+                if a.name in ("absl.flags", "absl.app")]
+    elif isinstance(node, ast.Call):
+      f = node.func
+      if (isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name)
+          and (f.value.id, f.attr) in (("sys", "exit"), ("os", "_exit"))) or (
+              isinstance(f, ast.Name) and f.id in ("exit", "quit")):
+        found.append(f"{node.lineno}: {ast.unparse(f)}()")
+  return found
+
+
+def test_programs_alone_take_flags_and_exit(tmp_path):
+  """A library module (the five folders) neither reads absl flags nor ends the
+  process: it raises or returns, and the program decides."""
+  offenders = {}
+  for folder in BELOW:
+    for name in sorted(os.listdir(os.path.join(ROOT, "capsnet", folder))):
+      if name.endswith(".py"):
+        found = _exits_or_flags(os.path.join(ROOT, "capsnet", folder, name))
+        if found:
+          offenders[f"capsnet/{folder}/{name}"] = found
+  assert offenders == {}
+  # the check itself finds each way in
+  planted = tmp_path / "planted.py"
+  planted.write_text("import sys\nfrom absl import flags\nimport absl.app\nsys.exit(1)\n"
+                     "quit()\n")
+  assert _exits_or_flags(str(planted)) == ["2: from absl import ...", "3: import absl.app",
+                                           "4: sys.exit()", "5: quit()"]

@@ -1,4 +1,5 @@
-"""capsnet.running.planner: the measured plan, its cache, and what a run keeps."""
+"""The planner (capsnet/running/planner.py) and its program, capsnet.plan: the
+measured plan, its cache, and what a run keeps."""
 import dataclasses
 import json
 import os
@@ -298,11 +299,11 @@ def test_a_plan_measured_on_a_busy_machine_is_said_marked_and_measured_again(
 
 
 def test_the_planner_program_imports_tensorflow_as_the_trainer_does():
-  """`python -m capsnet.running.planner` caches plans under the key of oneDNN
+  """`python -m capsnet.plan` caches plans under the key of oneDNN
   on (`host.describe`), so it must time with oneDNN on: TensorFlow imported
   through `startup` (quietly, oneDNN on), not first by fast_conv."""
   script = ("import os, runpy, sys; sys.argv = ['planner', '--help']\n"
-            "try:\n  runpy.run_module('capsnet.running.planner', run_name='__main__')\n"
+            "try:\n  runpy.run_module('capsnet.plan', run_name='__main__')\n"
             "except SystemExit:\n  pass\n"
             "from tensorflow.python.util import _pywrap_util_port\n"
             "print(os.environ.get('TF_ENABLE_ONEDNN_OPTS'), _pywrap_util_port.IsMklEnabled())")
@@ -320,7 +321,7 @@ def test_the_planner_program_plans_and_refuses_a_bad_value_in_one_line(tmp_path)
   env = dict(os.environ, CAPSNET_CACHE_DIR=str(tmp_path))
   def run(*flags):
     return subprocess.run(
-        [sys.executable, "-m", "capsnet.running.planner", *flags], capture_output=True,
+        [sys.executable, "-m", "capsnet.plan", *flags], capture_output=True,
         text=True, cwd=ROOT, env=env, timeout=600)
   proc = run("--batch_size=0")
   assert proc.returncode == 1 and not (tmp_path / "conv_plans.json").exists()

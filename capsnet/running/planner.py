@@ -2,9 +2,8 @@
 layer's real shapes, dtype and batch (forward and gradients, or the forward
 alone for inference), as FFTW's planner and cuDNN's benchmark mode do, and
 cached (`cache_path`) under a key of the CPU, TensorFlow, oneDNN, shapes, dtype,
-batch and mode (docs/performance.md). On a GPU nothing is planned.
-
-  python -m capsnet.running.planner --precision=bf16   # plan, print, cache
+batch and mode (docs/performance.md). On a GPU nothing is planned. The
+program: `python -m capsnet.plan`.
 """
 import dataclasses
 import hashlib
@@ -15,12 +14,9 @@ import statistics
 import sys
 import time
 
-from absl import app
-from absl import flags
-
 from capsnet.running import startup
 
-startup.import_tensorflow()   # run as a program too: before fast_conv imports it
+startup.import_tensorflow()   # before fast_conv imports it: oneDNN on, as in train.py
 from capsnet.model import fast_conv  # noqa: E402
 from capsnet.running import files  # noqa: E402
 from capsnet.running import host  # noqa: E402
@@ -288,28 +284,3 @@ def describe(report):
     parts.append(f"{layer}: {r['method']}" + (f" ({others} ms)" if others else "")
                  + (" [cached]" if r["cached"] else ""))
   return "; ".join(parts)
-
-
-FLAGS = flags.FLAGS
-
-
-def define_flags():
-  """The program's flags, defined when run as one."""
-  flags.DEFINE_enum("precision", "fp32", ["fp32", "bf16"], "the model's precision")
-  flags.DEFINE_integer("batch_size", 128, "the batch one tower computes", lower_bound=1)
-  flags.DEFINE_bool("inference", False, "plan the forward alone (eval.py "
-                    "--conv_impl=auto), not the training step")
-
-
-def main(argv):
-  from capsnet.model import network  # pylint: disable=import-outside-toplevel
-  del argv
-  start = time.perf_counter()
-  cfg = network.ModelConfig(precision=FLAGS.precision)
-  plan, report = plan_convolutions(cfg, FLAGS.batch_size, not FLAGS.inference)
-  print(f"{plan}  ({describe(report)}; {time.perf_counter() - start:.1f} s)")
-
-
-if __name__ == "__main__":
-  define_flags()
-  app.run(main)

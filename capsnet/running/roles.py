@@ -5,7 +5,6 @@ differs is its `placement` and three hooks, `session`, `run_step` and
 `before_save` (docs/cluster.md)."""
 import contextlib
 import signal
-import sys
 
 import tensorflow as tf
 
@@ -14,6 +13,15 @@ from capsnet.running import distributed
 from capsnet.running import run_state
 from capsnet.running import runs
 from capsnet.running import stopping
+
+
+class Ended(Exception):
+  """A worker's run ended by the chief: `status`, the process's exit status
+  (128 + the stop signal's number, or 1 after an error)."""
+
+  def __init__(self, status):
+    super().__init__(f"exit status {status}")
+    self.status = status
 
 
 def choose(info, sync=True, wait_secs=60):
@@ -185,7 +193,7 @@ class Worker(_Task):
         how = (f"stopped the run at step {e.step} ({signal.Signals(e.signum).name})"
                if e.signum else f"ended the run at step {e.step} on an error (see its output)")
         print(f"train.py: worker {self.index} ends: the chief {how}")
-        sys.exit(128 + (stop.signum or e.signum) if e.signum else 1)
+        raise Ended(128 + (stop.signum or e.signum) if e.signum else 1) from None
 
   def run_step(self, sess, fetch, step, folder, stop):
     fetched = super().run_step(sess, fetch, step, folder, stop)
