@@ -62,8 +62,8 @@ def test_power_matches_published_values_and_a_simulation():
   t = x.mean(axis=1) / (x.std(axis=1, ddof=1) / 4)
   simulated = np.mean(np.abs(t) > stats.t_quantile(0.975, 15))
   assert stats.paired_t_power(0.06, 0.0785, 16) == pytest.approx(simulated, abs=0.005)
-  # chi-squared with 4 degrees of freedom: 9.488 is its 0.95 quantile.
-  assert stats.chi2_cdf(9.4877, 4) == pytest.approx(0.95, abs=1e-4)
+  # chi-squared with 4 degrees of freedom: its 0.025 and 0.975 quantiles
+  # (printed tables) 0.48442 and 11.1433.
   lo, hi = stats.sd_interval(1.0, 4)
   assert (lo, hi) == (pytest.approx(math.sqrt(4 / 11.1433), abs=1e-4),
                       pytest.approx(math.sqrt(4 / 0.48442), abs=1e-4))
@@ -74,8 +74,10 @@ def test_holm_steps_down_and_stops_at_the_first_kept_hypothesis():
   assert stats.holm([0.03, 0.04]) == ([False, False], [0.06, 0.06])   # each < 0.05 alone
   assert stats.holm([0.2, 0.001, None]) == ([False, True, False], [0.2, 0.002, None])
   d = stats.paired_difference({1: 0, 2: 0, 3: 0}, {1: 1.0, 2: 2.0, 3: 4.0})
-  t = d["mean"] / (d["sd"] / math.sqrt(3))
-  assert stats.t_p_value(d) == pytest.approx(1 - stats.t_two_sided_coverage(t, 2))
+  t = d["mean"] / (d["sd"] / math.sqrt(3))   # 7/3 / (sqrt(7/3) / sqrt(3)) = sqrt(7)
+  # Two degrees of freedom: P(|T| > t) = 1 - t / sqrt(2 + t^2), here 1 - sqrt(7) / 3.
+  assert t == pytest.approx(math.sqrt(7))
+  assert stats.t_p_value(d) == pytest.approx(1 - math.sqrt(7) / 3, abs=1e-12)
 
 
 def test_the_registered_power_from_the_committed_pilot():

@@ -1,47 +1,18 @@
 """Paired comparisons of seeds: the mean difference with a t interval, called
-only when its 95% interval excludes zero (docs/table1.md)."""
+only when its 95% interval excludes zero (docs/table1.md). Student's t, the
+noncentral t and the chi-squared distribution are scipy.stats'."""
 import math
 import statistics
 
-
-def t_two_sided_coverage(t, df):
-  """P(|T| <= t) for Student's t with `df` (a positive int) degrees of freedom:
-  the closed form of Abramowitz and Stegun 26.7.3 and 26.7.4, theta = atan(t /
-  sqrt(df))."""
-  if df < 1 or int(df) != df:
-    raise ValueError(f"t_two_sided_coverage: df must be a positive int, got {df!r}")
-  theta = math.atan(abs(t) / math.sqrt(df))
-  cos2 = math.cos(theta) ** 2
-  if df % 2:   # odd: (2/pi) (theta + sin cos (1 + 2/3 cos^2 + 2.4/3.5 cos^4 ...))
-    term, series = 1.0, 1.0 if df > 1 else 0.0
-    for k in range(1, (df - 1) // 2):
-      term *= cos2 * (2 * k) / (2 * k + 1)
-      series += term
-    return 2 / math.pi * (theta + math.sin(theta) * math.cos(theta) * series)
-  term, series = 1.0, 1.0   # even: sin (1 + 1/2 cos^2 + 1.3/2.4 cos^4 ...)
-  for k in range(1, df // 2):
-    term *= cos2 * (2 * k - 1) / (2 * k)
-    series += term
-  return math.sin(theta) * series
+from scipy import stats as distributions
 
 
 def t_quantile(p, df):
   """The t with P(T <= t) = p (0.5 < p < 1), `df` degrees of freedom; e.g.
-  t_quantile(0.975, 2) = 4.303. Found by bisection on the closed form."""
+  t_quantile(0.975, 2) = 4.303."""
   if not 0.5 < p < 1:
     raise ValueError(f"t_quantile: p must be in (0.5, 1), got {p!r}")
-  return _inverse(lambda t: t_two_sided_coverage(t, df), 2 * p - 1)
-
-
-def _inverse(increasing, target):
-  """The x >= 0 with increasing(x) = target, by doubling then bisection."""
-  lo, hi = 0.0, 1.0
-  while increasing(hi) < target:
-    hi *= 2
-  for _ in range(200):
-    mid = (lo + hi) / 2
-    lo, hi = (mid, hi) if increasing(mid) < target else (lo, mid)
-  return (lo + hi) / 2
+  return float(distributions.t.ppf(p, df))
 
 
 def paired_difference(a, b, level=0.95):
@@ -103,7 +74,7 @@ def t_p_value(d):
   if d["sd"] == 0:
     return 1.0 if d["mean"] == 0 else 0.0
   t = d["mean"] / (d["sd"] / math.sqrt(d["n"]))
-  return 1 - t_two_sided_coverage(t, d["n"] - 1)
+  return float(2 * distributions.t.sf(abs(t), d["n"] - 1))
 
 
 def holm(p_values, alpha=0.05):
@@ -122,54 +93,20 @@ def holm(p_values, alpha=0.05):
   return rejected, adjusted
 
 
-def _normal_cdf(x):
-  return 0.5 * math.erfc(-x / math.sqrt(2))
-
-
-def paired_t_power(delta, sd, n, alpha=0.05, points=20000):
+def paired_t_power(delta, sd, n, alpha=0.05):
   """The power of the two-sided paired t test at level `alpha` with `n` pairs
-  whose differences have mean `delta` and sd `sd`.
-
-  T = (Z + nc) / S is noncentral t, nc = delta sqrt(n) / sd, S = sqrt(V / (n -
-  1)), V chi-squared with n - 1 degrees of freedom; E_S[P(Z > t S - nc) + P(Z <
-  -t S - nc)] is integrated over S's density by the midpoint rule.
-  """
+  whose differences have mean `delta` and sd `sd`: P(|T| > t) for T noncentral
+  t with n - 1 degrees of freedom and noncentrality delta sqrt(n) / sd."""
   if n < 2 or sd <= 0:
     raise ValueError(f"paired_t_power: needs n >= 2 and sd > 0, got n={n!r}, sd={sd!r}")
-  df = n - 1
+  df, nc = n - 1, delta * math.sqrt(n) / sd
   t = t_quantile(1 - alpha / 2, df)
-  nc = delta * math.sqrt(n) / sd
-  top = math.sqrt((df + 12 * math.sqrt(2 * df) + 40) / df)   # S beyond it: no mass
-  width = top / points
-  log_norm = math.log(2 * df) - (df / 2) * math.log(2) - math.lgamma(df / 2)
-  power = 0.0
-  for k in range(points):
-    s = (k + 0.5) * width
-    # density of S: 2 df s f_chi2(df s^2)
-    log_f = log_norm + math.log(s) + (df / 2 - 1) * math.log(df * s * s) - df * s * s / 2
-    power += math.exp(log_f) * (1 - _normal_cdf(t * s - nc) + _normal_cdf(-t * s - nc))
-  return power * width
-
-
-def chi2_cdf(x, df):
-  """P(V <= x) for V chi-squared with `df` degrees of freedom (the
-  regularised lower incomplete gamma function, by its series)."""
-  if x <= 0:
-    return 0.0
-  a, z = df / 2, x / 2
-  term = total = 1 / a
-  k = 0
-  while term > total * 1e-16:
-    k += 1
-    term *= z / (a + k)
-    total += term
-  return math.exp(a * math.log(z) - z - math.lgamma(a)) * total
+  return float(distributions.nct.sf(t, df, nc) + distributions.nct.cdf(-t, df, nc))
 
 
 def sd_interval(sd, df, level=0.95):
   """The `level` confidence interval of a normal standard deviation whose
   estimate `sd` has `df` degrees of freedom: sd sqrt(df / chi2 quantiles)."""
-  def quantile(p):
-    return _inverse(lambda x: chi2_cdf(x, df), p)
   tail = (1 - level) / 2
-  return sd * math.sqrt(df / quantile(1 - tail)), sd * math.sqrt(df / quantile(tail))
+  return tuple(float(sd * math.sqrt(df / distributions.chi2.ppf(q, df)))
+               for q in (1 - tail, tail))
