@@ -1,6 +1,6 @@
 """The stop_gradient question at each length of training, side by side
-(the short protocol, the along protocol, Table 1), from the committed
-results.json files alone.
+(the confirmatory test once complete, the short protocol, the along protocol,
+Table 1), from the committed results.json files alone.
 
   python -m capsnet.answer                  # study/answer.md and answer.json
 
@@ -19,7 +19,7 @@ from capsnet.science import answer
 
 def define_flags():
   flags.DEFINE_string("study", os.path.join(os.path.dirname(os.path.dirname(
-      os.path.abspath(__file__))), "study"), "the folder of short/, along/ and table1/")
+      os.path.abspath(__file__))), "study"), "the folder of confirm/, short/, along/ and table1/")
   flags.DEFINE_string("out", None, "where answer.md and answer.json go "
                       "(default: --study)")
   flags.DEFINE_list("protocols", list(answer.ANSWERED), "the protocols whose results the "

@@ -8,10 +8,12 @@ import sys
 
 import pytest
 from test_along import block_runs  # noqa: F401 (a fixture)
+import test_confirm
 
 from capsnet.science import along
 from capsnet.science import answer
 from capsnet.science import blocks
+from capsnet.science import confirm
 from capsnet.science import protocols
 from capsnet.science import stats
 from conftest import ROOT
@@ -47,6 +49,9 @@ def study(tmp_path, block_runs):  # noqa: F811
       {"rows": grid_rows(2000, [0]), "comparisons": []}))
   found = blocks.collect(block_runs, range(5), protocols.ALONG)
   along.report(found, protocols.ALONG, str(root / "along"))
+  (root / "confirm").mkdir()   # interim: progress only, no row
+  (root / "confirm" / "results.json").write_text(json.dumps({"final": False,
+                                                             "runs_done": 31}))
   return str(root)
 
 
@@ -103,13 +108,13 @@ def test_a_missing_protocol_is_named_and_the_answer_left_as_it_was(study, tmp_pa
   table = answer.rows(study, ("short", "along"))
   assert table[-1]["length"] == "epoch 10, paper's schedule"
   with pytest.raises(ValueError, match="^--protocols=short,tabel1: expected one or more "
-                                       "of short,along,table1$"):
+                                       "of confirm,short,along,table1$"):
     answer.rows(study, ("short", "tabel1"))
   proc = subprocess.run([sys.executable, "-m", "capsnet.answer", f"--study={tmp_path}"],
                         capture_output=True, text=True, cwd=ROOT, timeout=120)
   assert proc.returncode == 1
   assert proc.stderr.strip().startswith(
-      f"answer: error: {tmp_path / 'short' / 'results.json'}: missing")
+      f"answer: error: {tmp_path / 'confirm' / 'results.json'}: missing")
 
 
 def test_a_damaged_results_file_is_named(study):
@@ -118,3 +123,30 @@ def test_a_damaged_results_file_is_named(study):
     f.write('{"rows": [')
   with pytest.raises(ValueError, match=f"^{damaged}: not a JSON file"):
     answer.rows(study)
+
+
+def test_the_confirmatory_row_comes_first_with_its_registered_calls(study, tmp_path):
+  """A complete confirmatory study (made up, written by confirm's own report):
+  its epoch-10 row first, the test error its registered decision's, called by
+  the registered rule alone; its margin loss never called."""
+  out = tmp_path / "confirm"
+  errs = test_confirm.errors(0.04, 0.0, 0.06, spread=3.0)
+  for seed in confirm.SEEDS:
+    test_confirm.fake_block(str(out), seed, errs)
+  confirm.report(str(out), protocols.CONFIRM, confirm.PILOT, os.path.join(study, "confirm"))
+  payload = json.load(open(os.path.join(study, "confirm", "results.json")))
+  table = answer.rows(study)
+  first = table[0]
+  assert first["length"] == "epoch 10, paper's schedule: confirmatory, 16 blocks"
+  assert [r["length"] for r in table[1:]][:2] == ["5 epochs, compressed schedule",
+                                                 "epoch 1, paper's schedule"]
+  stop = first["pairs"]["r3_recon:r3_recon_nostop"]
+  registered = payload["decision"]["primary"]
+  assert {k: stop["test_error"][k] for k in ("mean", "lo", "hi", "called", "n")} == {
+      k: registered[k] for k in ("mean", "lo", "hi", "called", "n")}
+  assert stop["test_margin_loss"]["called"] is False
+  routing = first["pairs"]["r1_recon:r3_recon"]["test_error"]
+  assert routing["called"] == payload["decision"]["secondary"][0]["called"]
+  text = answer.markdown(table)
+  assert text.splitlines()[8].startswith(
+      "| epoch 10, paper's schedule: confirmatory, 16 blocks | none | ")

@@ -1,5 +1,6 @@
 """The answer across protocols (`study/answer.md`): each protocol's paired
-differences by length of training, side by side, from their results.json alone.
+differences by length of training, side by side, from their results.json alone,
+the confirmatory test's row first once all its blocks are in.
 `python -m capsnet.answer`."""
 import json
 import os
@@ -17,7 +18,7 @@ MEASURES = (("test_margin_loss", "mean test margin loss (the protocols' primary 
 ROUTED = tuple(v for v, flags in protocols.STOP_VARIANTS.items()   # couplings that move
                if flags["iter_routing"] > 1)
 
-ANSWERED = ("short", "along", "table1")   # study/<name>/results.json, shortest first
+ANSWERED = ("confirm", "short", "along", "table1")   # study/<name>/results.json
 
 
 def _read(study, protocol):
@@ -61,6 +62,32 @@ def _mechanism(max_c, grad_share):
           "n": len(max_c)}
 
 
+def _confirm_row(found):
+  """The confirmatory test's row (docs/confirm.md): its registered figures at
+  the rule's epoch, each test-error cell called only where the registered rule
+  calls it (Holm for the secondary pair); the margin loss, not registered, is
+  never called."""
+  protocol = protocols.CONFIRM
+  epoch, decision = str(protocol.rule["epoch"]), found["decision"]
+  row = {"length": f"epoch {epoch}, paper's schedule: confirmatory, "
+                   f"{len(found['blocks'])} blocks", "selection": "none",
+         "pairs": {}, "mechanism": {}}
+  registered = [decision["primary"], *decision["secondary"]]
+  for (a, b, _), d in zip([protocol.primary, *protocol.secondary], registered, strict=True):
+    margin = stats.paired_difference(
+        *({s: m[epoch]["test_margin_loss"] for s, m in found["runs"].get(v, {}).items()
+           if epoch in m} for v in (a, b)))
+    row["pairs"][f"{a}:{b}"] = {
+        protocol.rule["measure"]: {k: d[k] for k in ("seeds", "diffs", "n", "mean", "sd",
+                                                     "t", "lo", "hi", "called")},
+        "test_margin_loss": margin and dict(margin, called=False)}
+  for v in ROUTED:
+    per = [m[epoch] for m in found["runs"].get(v, {}).values() if epoch in m]
+    row["mechanism"][v] = _mechanism([m.get("max_c") for m in per],
+                                     [m.get("grad_share") for m in per])
+  return row
+
+
 def rows(study, names=ANSWERED):
   """The rows from <study>/<name>/results.json of the protocols `names`. Raises
   RunError naming a missing or damaged file, ValueError for none or an unknown
@@ -70,6 +97,9 @@ def rows(study, names=ANSWERED):
     raise ValueError(f"--protocols={','.join(names)}: expected one or more of "
                      f"{','.join(ANSWERED)}")
   out = []
+  confirm = _read(study, "confirm") if "confirm" in names else None
+  if confirm and confirm["final"]:   # interim: progress only, no figure
+    out.append(_confirm_row(confirm))
   short = _read(study, "short") if "short" in names else None
   if short:
     out.append(_grid_row("5 epochs, compressed schedule", "best validation",
@@ -99,11 +129,14 @@ def rows(study, names=ANSWERED):
 
 def markdown(table):
   lines = ["# The stop_gradient question along training", "",
-           "From study/short, study/along and study/table1's results.json "
-           "(`python -m capsnet.answer`). Cells: the paired difference B - A over "
-           "the blocks or seeds with both runs, its mean and 95% t interval; "
-           "**bold** = called (the interval excludes zero); B - A > 0: A has the "
-           "lower loss or error. n = 1: one pair, no interval, nothing called.", ""]
+           "From study/confirm, study/short, study/along and study/table1's "
+           "results.json (`python -m capsnet.answer`). Cells: the paired difference "
+           "B - A over the blocks or seeds with both runs, its mean and 95% t "
+           "interval; **bold** = called (the interval excludes zero); B - A > 0: A has "
+           "the lower loss or error. n = 1: one pair, no interval, nothing called. "
+           "The confirmatory row (docs/confirm.md), once its blocks are all in: "
+           "called only by its registered rule (the test error; Holm-corrected for the "
+           "two routing pairs), its margin loss never.", ""]
   for key, what, spec in MEASURES:
     lines += [f"## {what}", ""] + report.table(
         ["training", "checkpoint chosen on",
