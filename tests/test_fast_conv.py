@@ -45,17 +45,23 @@ def test_method_equals_conv2d_in_value_and_gradients(method, shape, relu):
     np.testing.assert_allclose(b, a, rtol=1e-10, atol=1e-12, err_msg=name)
 
 
+def _errors_against_float64(method, dtype, channels):
+  """[(output, `method`'s relative (Frobenius) error in `dtype`, conv2d's in
+  it)] against conv2d in float64, on PrimaryCaps' 20x20 9x9 stride-2 shape."""
+  exact = _run("conv2d", 20, 20, 9, 2, False, channels=channels)
+  ours = _run(method, 20, 20, 9, 2, False, channels=channels, dtype=dtype)
+  theirs = _run("conv2d", 20, 20, 9, 2, False, channels=channels, dtype=dtype)
+  def err(t, a):
+    return np.linalg.norm(np.asarray(t, np.float64) - a) / np.linalg.norm(a)
+  return [(name, err(b, a), err(c, a)) for name, a, b, c in
+          zip(("value", "dx", "dw", "dbias"), exact, ours, theirs, strict=True)]
+
+
 def test_folded_method_in_bfloat16_is_close_to_conv2d():
   """The dtype it is chosen for: as close to the float64 result as
   TensorFlow's own bfloat16 convolution is (bf16 rounding only)."""
-  bf16 = tf.bfloat16.as_numpy_dtype
-  exact = _run("conv2d", 20, 20, 9, 2, False, channels=8)
-  ours = _run("folded", 20, 20, 9, 2, False, channels=8, dtype=bf16)
-  theirs = _run("conv2d", 20, 20, 9, 2, False, channels=8, dtype=bf16)
-  for name, a, b, c in zip(("value", "dx", "dw", "dbias"), exact, ours, theirs, strict=True):
-    def err(t, a=a):
-      return np.linalg.norm(np.asarray(t, np.float64) - a) / np.linalg.norm(a)
-    assert err(b) < max(2 * err(c), 1e-2), (name, err(b), err(c))
+  for name, ours, theirs in _errors_against_float64("folded", tf.bfloat16.as_numpy_dtype, 8):
+    assert ours < max(2 * theirs, 1e-2), (name, ours, theirs)
 
 
 def test_dft_method_on_the_paper_primary_caps_shape_is_exact():
@@ -74,16 +80,10 @@ def test_dft_method_on_the_paper_primary_caps_shape_is_exact():
 # transforms stay in float32 and only its contraction is bf16).
 @pytest.mark.parametrize("dtype,bound", [(np.float32, 1e-5), ("bf16", 2e-2)])
 def test_dft_method_in_lower_precision_is_close_to_float64(dtype, bound):
-  bf16 = tf.bfloat16.as_numpy_dtype
-  dtype = bf16 if dtype == "bf16" else dtype
-  exact = _run("conv2d", 20, 20, 9, 2, False, channels=16)
-  ours = _run("dft", 20, 20, 9, 2, False, channels=16, dtype=dtype)
-  theirs = _run("conv2d", 20, 20, 9, 2, False, channels=16, dtype=dtype)
-  for name, a, b, c in zip(("value", "dx", "dw", "dbias"), exact, ours, theirs, strict=True):
-    def err(t, a=a):
-      return np.linalg.norm(np.asarray(t, np.float64) - a) / np.linalg.norm(a)
-    assert err(b) < bound, (name, err(b))
-    assert err(b) < max(2 * err(c), 1e-6), (name, err(b), err(c))
+  dtype = tf.bfloat16.as_numpy_dtype if dtype == "bf16" else dtype
+  for name, ours, theirs in _errors_against_float64("dft", dtype, 16):
+    assert ours < bound, (name, ours)
+    assert ours < max(2 * theirs, 1e-6), (name, ours, theirs)
 
 
 def test_plans_parse_and_refuse_what_does_not_fit():
