@@ -33,6 +33,7 @@ class Digits(_Task):
     self.name = name
     self.files = name          # data/<files>/ holds its four .gz files
     self.has_affine = name == "mnist"   # the affine test set is made from it
+    self.test_size = 10000   # the test file's images (MNIST's and Fashion-MNIST's)
 
   def score(self, lengths, predictions, labels):
     """The metric of (capsule lengths, predictions) against `labels` [n]:

@@ -17,7 +17,8 @@ def markdown(found, table, reversals, protocol, done, partial=()):
   final = done >= len(protocol.seeds)
   lines = [f"# {protocol.title}", "",
            f"{done} block(s) (seeds {', '.join(map(str, sorted(blocks.seeds_of(found))))})"
-           + ("" if final else ": **interim**, the rule judges five blocks") + "."
+           + ("" if final else ": **interim**, the rule judges "
+              f"{study_report.in_words(len(protocol.seeds))} blocks") + "."
            + blocks.partial_note(partial),
            "Cells: the paired difference B - A over the blocks, its mean and 95% t "
            "interval; **bold** = called (the interval excludes zero). B - A > 0: A "
@@ -38,18 +39,20 @@ def markdown(found, table, reversals, protocol, done, partial=()):
             "The couplings from the test scoring; the gradient share from the "
             "epoch's last gradient diagnostic (||g_full - g_stop|| / ||g_full|| of "
             "W, on a fixed batch of 32).", ""]
-  columns = (("test_margin_loss", ".5f"), ("test_error", ".3f"), ("affine_error", ".3f"),
-             ("train_loss", ".5f"), ("val_loss", ".5f"), ("max_c", ".4f"),
-             ("grad_share", ".3f"))
+  columns = (("test_margin_loss", ".5f", "test margin loss"),
+             ("test_error", ".3f", "test error %"),
+             *((("affine_error", ".3f", "affine error %"),)
+               if "affine" in protocol.test_sets else ()),
+             ("train_loss", ".5f", "train loss"), ("val_loss", ".5f", "val loss"),
+             ("max_c", ".4f", "mean largest coupling, last iteration"),
+             ("grad_share", ".3f", "share of W's gradient through the couplings"))
   def row(variant, epoch):
     ms = [m[epoch] for m in found.get(variant, {}).values() if epoch in m]
-    means = [[m[k] for m in ms if m.get(k) is not None] for k, _ in columns]
+    means = [[m[k] for m in ms if m.get(k) is not None] for k, _, _ in columns]
     return [variant, epoch, *(format(sum(v) / len(v), spec) if v else ""
-                              for v, (_, spec) in zip(means, columns, strict=True))]
+                              for v, (_, spec, _) in zip(means, columns, strict=True))]
   lines += study_report.table(
-      ["variant", "epoch", "test margin loss", "test error %", "affine error %",
-       "train loss", "val loss", "mean largest coupling, last iteration",
-       "share of W's gradient through the couplings"],
+      ["variant", "epoch", *(what for _, _, what in columns)],
       [row(v, e) for v in protocol.variants for e in protocol.kept
        if any(e in m for m in found.get(v, {}).values())])
   return "\n".join(lines) + "\n"

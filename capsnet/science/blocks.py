@@ -31,17 +31,17 @@ def kept_checkpoint(folder, epoch):
   return prefix if epoch in ends and os.path.exists(prefix + ".index") else None
 
 
-def score(folder, epoch, log_path):
-  """Scores the weights kept at the end of `epoch` on the test set and the
-  affine test set (eval.py, the run's own convolutions and precision).
-  Returns: the along_results.json entry. Raises RunError if the checkpoint
-  is gone or eval.py fails."""
+def score(folder, epoch, log_path, protocol):
+  """Scores the weights kept at the end of `epoch` on the protocol's test
+  sets (eval.py, the run's own convolutions and precision). Returns: the
+  along_results.json entry. Raises RunError if the checkpoint is gone or
+  eval.py fails."""
   ckpt = kept_checkpoint(folder, epoch)
   if ckpt is None:
     raise runs.RunError(f"{folder}: no checkpoint kept at the end of epoch {epoch} "
                         "(epochs/); the run must be trained again")
   entry = {"epoch": epoch, "step": runs.step_of(ckpt)}
-  for split in ("test", "affine"):
+  for split in protocol.test_sets:
     res = grids.evaluate(ckpt, os.path.join(folder, f"along_epoch{epoch}_{split}"),
                          log_path, f"--split={split}").results()
     entry[split] = {k: res[k] for k in ("count", "error_percent", "margin_loss_mean",
@@ -52,8 +52,7 @@ def score(folder, epoch, log_path):
 def settings(protocol):
   """The train.py settings of a block's run (`grids.train_command`)."""
   return {"epochs": protocol.epochs, "precision": protocol.precision,
-          "decay_steps": protocol.decay_steps, "diag_every": 100, "val_every": 0,
-          "kept": protocol.kept}
+          "decay_steps": protocol.decay_steps, **protocol.run_flags, "kept": protocol.kept}
 
 
 def publish_folder(publish, out):
@@ -78,7 +77,7 @@ def run_blocks(out, seeds, protocol, publish, extra=()):
       if str(epoch) not in results:
         print(f"{os.path.basename(folder)}: scoring the weights of epoch {epoch}",
               flush=True)
-        results[str(epoch)] = score(folder, epoch, folder + ".log")
+        results[str(epoch)] = score(folder, epoch, folder + ".log", protocol)
         runs.RunFolder(folder).write_json(RESULTS_FILE, results)
     if publish:
       runs.RunFolder(folder).copy_small_files(
@@ -96,10 +95,10 @@ def measures(folder, kept):
     entry = results.get(str(epoch))
     if entry is None or epoch not in rows:
       continue
-    test, affine = entry["test"], entry["affine"]
+    test, affine = entry["test"], entry.get("affine", {})
     out[epoch] = {"test_margin_loss": test["margin_loss_mean"],
                   "test_error": test["error_percent"],
-                  "affine_error": affine["error_percent"],
+                  "affine_error": affine.get("error_percent"),
                   "train_loss": rows[epoch]["train_loss"],
                   "val_loss": rows[epoch].get("val_loss"),
                   "max_c": (test.get("routing_max_c") or [None])[-1],

@@ -398,8 +398,8 @@ def progress_report(out, complete, folder):
   n_done = len(done)
   lines = [f"# {CONFIRM.title}: interim, {n_done} of {len(sequence())} runs, {len(complete)} of "
            f"{len(SEEDS)} blocks complete", "",
-           "Progress only: no difference and no interval is shown until all sixteen "
-           "blocks are in (docs/confirm.md).", "",
+           "Progress only: no difference and no interval is shown until all "
+           f"{study_report.in_words(len(SEEDS))} blocks are in (docs/confirm.md).", "",
            f"Next due: {folder_name(due) if due else 'none'}. Part-way stops recorded: "
            f"{len(stops)}.", ""]
   lines += study_report.table(["#", "run", "state", "host", "attempts"], rows)

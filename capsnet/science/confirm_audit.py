@@ -2,14 +2,19 @@
 runs checked against the registration. `python -m capsnet.confirm --audit`."""
 import os
 
+from capsnet.data import tasks
 from capsnet.running import runs
+from capsnet.running import schedule
 from capsnet.science import blocks
 from capsnet.science import confirm
 from capsnet.science import confirm_run
 from capsnet.science import report as study_report
 
-REGISTERED = {"dataset": "mnist", "val_size": 5000, "train_size": 0, "batch_size": 128,
-              "learning_rate": 1e-3, "decay_steps": 2000, "decay_rate": 0.96,
+# The train.py settings every run records (config.json) as the protocol fixes
+# them: its own declaration, else the trainer's defaults.
+REGISTERED = {"dataset": confirm.CONFIRM.task, "val_size": tasks.VAL_SIZE, "train_size": 0,
+              "batch_size": schedule.BATCH_SIZE, "learning_rate": schedule.LEARNING_RATE,
+              "decay_steps": confirm.CONFIRM.decay_steps, "decay_rate": schedule.DECAY_RATE,
               "epochs": confirm.CONFIRM.epochs, "ema_decay": 0.0, "workers": 1}
 
 
@@ -138,12 +143,12 @@ def _run_breaches(folder, seed, variant, registered, stops):
     if epoch in epochs and entry.get("step") != epochs[epoch]["step"]:
       out.append(f"epoch {epoch} scored at step {entry.get('step')}, its end is step "
                  f"{epochs[epoch]['step']}")
-    for split in ("test", "affine"):
-      scored = entry.get(split)
+    for split in confirm.CONFIRM.test_sets:
+      scored, count = entry.get(split), confirm.CONFIRM.test_size
       if not scored:
         out.append(f"epoch {epoch}: no {split} scoring")
-      elif scored.get("count") != 10000 or "wrong" not in scored or len(scored["wrong"]) != \
+      elif scored.get("count") != count or "wrong" not in scored or len(scored["wrong"]) != \
           round(scored["error_percent"] * scored["count"] / 100):
-        out.append(f"epoch {epoch}: the {split} scoring is not of 10,000 images with the "
+        out.append(f"epoch {epoch}: the {split} scoring is not of {count:,} images with the "
                    "indices of its misclassified ones")
   return out

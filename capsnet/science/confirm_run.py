@@ -310,7 +310,7 @@ def score(children, folder, epoch):
   if ckpt is None:
     raise ConfirmError(f"{folder}: no checkpoint kept at the end of epoch {epoch}")
   entry = {"epoch": epoch, "step": runs.step_of(ckpt)}
-  for split in ("test", "affine"):
+  for split in confirm.CONFIRM.test_sets:
     out_dir = os.path.join(folder, f"along_epoch{epoch}_{split}")
     rc = children.run(grids.eval_command(ckpt, out_dir, f"--split={split}"), folder + ".log")
     if children.signum is not None:
@@ -430,7 +430,7 @@ def run_sequence(out, publish, settings, extra, count, restart=False):
   ran = 0
   while count is None or ran < count:
     if confirm.progress(publish)[1] is None:
-      print("confirm: the sequence is complete (48 runs)")
+      print(f"confirm: the sequence is complete ({len(confirm.sequence())} runs)")
       break
     name, outcome, status = run_due(children, out, publish, commit, settings, extra,
                                     restart)

@@ -26,12 +26,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def train_command(spec, seed, folder, settings, extra):
   """The train.py command of one run; `spec` holds the variant's flags."""
   variant_flags = [f"--{k}={v}" for k, v in spec.items()]
+  run_flags = [f"--{k}={settings[k]}" for k in ("precision", "decay_steps", "diag_every",
+                                                 "val_every") if k in settings]
   return [sys.executable, os.path.join(ROOT, "train.py"), *variant_flags,
           f"--seed={seed}", f"--epochs={settings['epochs']}", f"--logdir={folder}",
-          f"--precision={settings['precision']}",
-          f"--decay_steps={settings['decay_steps']}",
-          f"--diag_every={settings['diag_every']}",
-          f"--val_every={settings['val_every']}", "--progress=false", *extra]
+          *run_flags, "--progress=false", *extra]
 
 
 def parse_pairs(specs, variants):

@@ -6,6 +6,7 @@ the docs' tests read them here; nothing restates them. Adding one:
 docs/studies.md."""
 import dataclasses
 
+from capsnet.data import tasks
 from capsnet.running import schedule
 
 EMA_DECAY = 0.999   # weight averaging: a time constant of 1,000 steps, 2.3 epochs
@@ -62,6 +63,22 @@ class Protocol:
   descriptive: tuple = ()   # compared beside the measures, not part of a rule
   note: str = ""            # after the comparisons' heading
   within: bool = False      # an interval that holds zero reads "within [lo, hi]"
+  task: str = tasks.DEFAULT  # the data set its runs train and are scored on
+  run_flags: dict = dataclasses.field(default_factory=dict)   # train.py's, every run
+  lock: str = ""            # registered: its lock file; the registration is the
+                            # commit that adds it
+  pilot: str = ""           # the protocol whose runs chose this design
+
+  @property
+  def test_sets(self):
+    """The sets each kept epoch is scored on: the test set, and the affine
+    test set where the task has one."""
+    return ("test", "affine") if tasks.get(self.task).has_affine else ("test",)
+
+  @property
+  def test_size(self):
+    """The images of the task's test set (None where the task does not say)."""
+    return getattr(tasks.get(self.task), "test_size", None)
 
 
 STOP_GRADIENT = Protocol("stop_gradient", "CapsNet on MNIST: routing variants", {
@@ -95,7 +112,8 @@ SHORT = Protocol("short", "CapsNet on MNIST: the short protocol (5 epochs)", STO
 # docs/along.md: the question along training, no checkpoint selection.
 ALONG = Protocol("along", "The stop_gradient question along training (docs/along.md)",
                  STOP_VARIANTS, measures=ALONG_MEASURES, seeds=tuple(range(0, 5)), epochs=10,
-                 kept=(1, 2, 5, 10), pairs=STOP_PAIRS, unit="block")
+                 kept=(1, 2, 5, 10), pairs=STOP_PAIRS, unit="block",
+                 run_flags={"diag_every": 100, "val_every": 0})
 
 # docs/confirm.md: sixteen fresh blocks of the along protocol (n fixed by the
 # power to call 0.06 points), fp32, 48 runs in a registered sequence; the
@@ -103,7 +121,7 @@ ALONG = Protocol("along", "The stop_gradient question along training (docs/along
 CONFIRM = dataclasses.replace(
     ALONG, name="confirm", title="The stop_gradient question, confirmatory (docs/confirm.md)",
     seeds=tuple(range(5, 21)), primary=STOP_PAIRS[0], secondary=STOP_PAIRS[1:],
-    precision="fp32", rule={
+    precision="fp32", lock="docs/confirm.lock", pilot=ALONG.name, rule={
         "measure": "test_error", "epoch": 10, "alpha": 0.05,
         "margin": 0.06,              # equivalence: the 90% interval inside +-0.06 points
         "margin_descriptive": 0.10,  # the same test, reported beside it

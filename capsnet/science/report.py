@@ -18,6 +18,16 @@ from capsnet.science import stats
 SHIPPED = "shipped"   # <out>/shipped/: the shipped weights' affine results
 
 
+_WORDS = ("no", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine",
+          "ten", "eleven", "twelve", "thirteen", "fourteen", "fifteen", "sixteen",
+          "seventeen", "eighteen", "nineteen", "twenty")
+
+
+def in_words(n):
+  """A count as the reports write it: a word up to twenty, else digits."""
+  return _WORDS[n] if 0 <= n < len(_WORDS) else f"{n:,}"
+
+
 def run_name(variant, seed, decay_steps=schedule.DECAY_STEPS):
   tag = "" if decay_steps == schedule.DECAY_STEPS else f"_decay{decay_steps}"
   return f"{variant}{tag}_seed{seed}"
