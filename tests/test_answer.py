@@ -13,8 +13,8 @@ import test_confirm
 from capsnet.science import along
 from capsnet.science import answer
 from capsnet.science import blocks
-from capsnet.science import confirm
 from capsnet.science import protocols
+from capsnet.science import rule
 from capsnet.science import stats
 from conftest import ROOT
 
@@ -131,9 +131,9 @@ def test_the_confirmatory_row_comes_first_with_its_registered_calls(study, tmp_p
   the registered rule alone; its margin loss never called."""
   out = tmp_path / "confirm"
   errs = test_confirm.errors(0.04, 0.0, 0.06, spread=3.0)
-  for seed in confirm.SEEDS:
+  for seed in protocols.CONFIRM.seeds:
     test_confirm.fake_block(str(out), seed, errs)
-  confirm.report(str(out), protocols.CONFIRM, confirm.PILOT, os.path.join(study, "confirm"))
+  rule.report(str(out), protocols.CONFIRM, os.path.join(study, "confirm"))
   payload = json.load(open(os.path.join(study, "confirm", "results.json")))
   table = answer.rows(study)
   first = table[0]

@@ -18,17 +18,18 @@ import pytest
 
 from capsnet.running import host
 from capsnet.science import blocks
-from capsnet.science import confirm
-from capsnet.science import confirm_run
+from capsnet.science import protocols
+from capsnet.science import registered
 from capsnet.science import report as study_report
+from capsnet.science import rule
 from capsnet.science import stats
 from conftest import ROOT
 from conftest import SMALL
 from conftest import needs_mnist
 
-CONFIRM = confirm.CONFIRM
+CONFIRM = protocols.CONFIRM
 KEPT = CONFIRM.kept
-SEEDS = confirm.SEEDS
+SEEDS = CONFIRM.seeds
 WOBBLE = [0.03, -0.02, 0.01, -0.04, 0.02, 0.0, -0.01, 0.04,
           -0.03, 0.02, -0.02, 0.01, 0.03, -0.01, 0.0, -0.03]   # by block; mean 0
 
@@ -81,9 +82,10 @@ def test_holm_steps_down_and_stops_at_the_first_kept_hypothesis():
 
 
 def test_the_registered_power_from_the_committed_pilot():
-  _, pilot = blocks.complete_blocks(blocks.collect(confirm.PILOT, confirm.PILOT_SEEDS,
+  pilot_protocol, pilot_folder = rule.pilot_of(CONFIRM)
+  _, pilot = blocks.complete_blocks(blocks.collect(pilot_folder, pilot_protocol.seeds,
                                                    CONFIRM), CONFIRM)
-  lines = confirm.power_lines(pilot, CONFIRM)
+  lines = rule.power_lines(pilot, CONFIRM)
   assert lines[0].endswith("mean +0.072, sd 0.0785")
   assert lines[1].startswith("the smallest n with power >= 0.80 to call 0.06 points "
                              "(two-sided 0.05): 16 (power 0.815; n - 1: 0.785)")
@@ -97,23 +99,23 @@ def test_the_registered_power_from_the_committed_pilot():
     ((0.0, 0.0, 0.0), "not settled")])
 def test_the_claims_verdict(means, claim):
   """`means`: the test error of r1_recon, r3_recon, r3_recon_nostop above 0.6."""
-  decision = confirm.decide(found_of(errors(*means)), CONFIRM, final=True)
+  decision = rule.decide(found_of(errors(*means)), CONFIRM, final=True)
   assert decision["claim"] == claim
 
 
 def test_primary_called_and_equivalence_within_the_margin():
   found = found_of(errors(0.0, 0.0, 0.12))
-  d = confirm.decide(found, CONFIRM, final=True)
+  d = rule.decide(found, CONFIRM, final=True)
   assert d["primary"]["called"] and d["primary"]["mean"] == pytest.approx(0.12)
   assert not d["equivalence"]["within"]
   found = found_of(errors(0.0, 0.0, 0.0, spread=0.5))
-  d = confirm.decide(found, CONFIRM, final=True)
+  d = rule.decide(found, CONFIRM, final=True)
   assert not d["primary"]["called"] and d["equivalence"]["within"]
   within = d["equivalence"]
   half = stats.t_quantile(0.95, 15) * within["sd"] / 4
   assert within["hi"] - within["mean"] == pytest.approx(half)
   # A wide spread: neither called nor shown within 0.10.
-  d = confirm.decide(found_of(errors(0.0, 0.0, 0.0, spread=12.0)), CONFIRM, final=True)
+  d = rule.decide(found_of(errors(0.0, 0.0, 0.0, spread=12.0)), CONFIRM, final=True)
   assert not d["primary"]["called"] and not d["equivalence"]["within"]
 
 
@@ -126,7 +128,7 @@ def test_holm_keeps_a_secondary_pair_that_alone_would_be_called():
     errs["r3_recon"][seed] = errs["r1_recon"][seed] - 2.2 * se + WOBBLE[(k + 3) % 16]
     errs["r3_recon_nostop"][seed] = (errs["r1_recon"][seed] + 2.15 * se
                                      + WOBBLE[(k + 7) % 16])
-  d = confirm.decide(found_of(errs), CONFIRM, final=True)
+  d = rule.decide(found_of(errs), CONFIRM, final=True)
   first, second = d["secondary"]
   assert 0.025 < first["p"] < 0.05 and 0.025 < second["p"] < 0.05
   assert first["lo"] * first["hi"] > 0 and second["lo"] * second["hi"] > 0
@@ -137,7 +139,7 @@ def test_holm_keeps_a_secondary_pair_that_alone_would_be_called():
 
 def test_fewer_than_sixteen_blocks_call_nothing():
   found = found_of(errors(0.05, 0.0, 0.20), seeds=SEEDS[:15])
-  d = confirm.decide(found, CONFIRM, final=False)
+  d = rule.decide(found, CONFIRM, final=False)
   assert d["primary"]["lo"] > 0 and not d["primary"]["called"]
   assert not any(s["called"] for s in d["secondary"]) and not d["equivalence"]["within"]
   assert d["claim"] == "interim: no verdict"
@@ -149,10 +151,10 @@ def test_host_kind_from_cpuinfo(tmp_path):
                   "model\t\t: 17\nmodel name\t: AMD EPYC\nflags\t\t: fpu avx2 fma\n")
   assert host._cpuinfo(str(info)) == ("AMD EPYC", {"fpu", "avx2", "fma"},
                                       "AuthenticAMD family 25 model 17")
-  assert confirm.host_kind({"started": {"cpu": "AMD EPYC", "cpu_id": "AuthenticAMD "
+  assert registered.host_kind({"started": {"cpu": "AMD EPYC", "cpu_id": "AuthenticAMD "
                                         "family 25 model 17"}}) == (
       "AMD EPYC, AuthenticAMD family 25 model 17")
-  assert confirm.host_kind({"started": {"cpu": "AMD EPYC", "flags": ["avx512f"]}}) == (
+  assert registered.host_kind({"started": {"cpu": "AMD EPYC", "flags": ["avx512f"]}}) == (
       "AMD EPYC, AVX-512")
 
 
@@ -200,20 +202,20 @@ def test_the_interim_report_shows_a_part_way_run_by_its_newest_stop(tmp_path):
   step (or "unknown", for a lost attempt written by hand) on that stop's host."""
   out = tmp_path / "confirm"
   fake_block(str(out), SEEDS[0], errors(0.05, 0.0, 0.10))
-  due = confirm.folder_name(confirm.sequence()[3])
+  due = registered.folder_name(registered.sequence(CONFIRM)[3])
   xeon = {"cpu": "Intel(R) Xeon(R) Processor", "cpu_id": "GenuineIntel family 6 model 167"}
   rows = [{"run": due, "step": 1615, "digest": "a" * 64, "why": "stopped by SIGTERM",
            "identity": xeon},
           {"run": due, "step": None, "digest": None, "why": "killed outright",
            "identity": dict(xeon, cpu_id="GenuineIntel family 6 model 143")}]
-  with open(out / confirm.PARTWAY_FILE, "w") as f:
+  with open(out / registered.PARTWAY_FILE, "w") as f:
     f.write("".join(json.dumps(r) + "\n" for r in rows[:1]))
-  text = confirm.progress_report(str(out), [], str(out))
+  text = registered.progress_report(CONFIRM, str(out), [], str(out))
   assert (f"| 4 | {due} | part-way (step 1615) | Intel(R) Xeon(R) Processor, GenuineIntel "
           "family 6 model 167 | stop (stopped by SIGTERM) |") in text
-  with open(out / confirm.PARTWAY_FILE, "a") as f:
+  with open(out / registered.PARTWAY_FILE, "a") as f:
     f.write(json.dumps(rows[1]) + "\n")
-  text = confirm.progress_report(str(out), [], str(out))
+  text = registered.progress_report(CONFIRM, str(out), [], str(out))
   assert (f"| 4 | {due} | part-way (step unknown) | Intel(R) Xeon(R) Processor, GenuineIntel "
           "family 6 model 143 | stop (stopped by SIGTERM), stop (killed outright) |") in text
   assert json.loads((out / "results.json").read_text())["partway_stops"] == 2
@@ -306,7 +308,7 @@ def test_runs_end_to_end_on_a_small_model_stopped_and_resumed(tmp_path):
     return [sys.executable, "-m", "capsnet.confirm", "--epochs=2", "--kept=1,2",
             f"--out={out}", f"--publish={pub}", f"--runs={runs}", "--", *SMALL,
             f"--train_size={train_size}"]
-  first, second = (confirm.folder_name(r) for r in confirm.sequence()[:2])
+  first, second = (registered.folder_name(r) for r in registered.sequence(CONFIRM)[:2])
   proc = subprocess.run(command(320), env=env, capture_output=True, text=True, cwd=ROOT,
                         timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
@@ -320,7 +322,7 @@ def test_runs_end_to_end_on_a_small_model_stopped_and_resumed(tmp_path):
   stopped.send_signal(signal.SIGTERM)
   said = stopped.communicate(timeout=300)[0]
   assert stopped.returncode == 143, said[-3000:]
-  rows = confirm.partway_rows(str(pub))
+  rows = registered.partway_rows(str(pub))
   assert [r["run"] for r in rows] == [second] and rows[0]["step"] > 0, rows
   assert len(rows[0]["digest"]) == 64 and rows[0]["why"].startswith("stopped by SIGTERM")
   assert not (pub / second).exists()
@@ -352,12 +354,12 @@ def test_the_registered_answer_is_the_registrations_own(tmp_path):
   """On a made-up complete study, the registration's code (its commit's
   files, run as docs/confirm.md says) and main's write the same registered
   answer, line for line, and the same decision in results.json."""
-  registered = confirm_run.registration_commit(ROOT)
-  if registered is None:
+  commit = registered.registration_commit(ROOT, CONFIRM.lock)
+  if commit is None:
     pytest.skip("no git history of docs/confirm.lock")
   code = tmp_path / "registration"
   code.mkdir()
-  archive = subprocess.run(["git", "archive", registered, "capsnet", "study/along"],
+  archive = subprocess.run(["git", "archive", commit, "capsnet", "study/along"],
                            cwd=ROOT, capture_output=True, check=True).stdout
   with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
     tar.extractall(code, filter="data")
@@ -372,10 +374,28 @@ def test_the_registered_answer_is_the_registrations_own(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
   ours, theirs = ((tmp_path / f / "results.md").read_text() for f in ("main", "theirs"))
-  assert len(confirm.registered_answer(theirs)) == 8
-  assert confirm.registered_answer(ours) == confirm.registered_answer(theirs)
+  assert len(rule.registered_answer(theirs)) == 8
+  assert rule.registered_answer(ours) == rule.registered_answer(theirs)
   assert "## Descriptive, added after the registration: never called" not in theirs
   assert "## Descriptive, added after the registration: never called" in ours
   decisions = [json.loads((tmp_path / f / "results.json").read_text())["decision"]
                for f in ("main", "theirs")]
-  assert decisions[0] == decisions[1]
+  assert_same_decision(*decisions)
+
+
+def assert_same_decision(ours, theirs):
+  """Two results.json decisions agree: every call, count and word exactly,
+  every figure to 1e-9 (main's t quantiles are scipy's, the registration's
+  its own series: they differ in the last bits, never in a printed digit)."""
+  if isinstance(theirs, float):
+    assert ours == pytest.approx(theirs, rel=1e-9, abs=1e-12)
+  elif isinstance(theirs, dict):
+    assert sorted(ours) == sorted(theirs)
+    for key in theirs:
+      assert_same_decision(ours[key], theirs[key])
+  elif isinstance(theirs, list):
+    assert len(ours) == len(theirs)
+    for a, b in zip(ours, theirs, strict=True):
+      assert_same_decision(a, b)
+  else:
+    assert type(ours) is type(theirs) and ours == theirs

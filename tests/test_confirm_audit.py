@@ -9,11 +9,11 @@ import sys
 import pytest
 
 from capsnet.science import blocks
-from capsnet.science import confirm
-from capsnet.science import confirm_audit
-from capsnet.science import confirm_run
+from capsnet.science import protocols
+from capsnet.science import registered
 from conftest import ROOT
 
+CONFIRM = protocols.CONFIRM
 COMMIT = "ef07b3b6a48ea4132d4306b400799a6adde28328"
 HERE = {"cpu": "Intel(R) Xeon(R) Processor", "cpu_id": "GenuineIntel family 6 model 167",
         "flags": ["avx2", "fma"], "cores": 2, "python": "3.11.7", "tensorflow": "2.21.0",
@@ -28,11 +28,10 @@ def attempt(kind="start", **extra):
 
 def publish_run(pub, seed, variant, attempts=None, lost=(), outcome="completed"):
   """One run as the command publishes it (small files only)."""
-  folder = os.path.join(pub, confirm.folder_name((seed, variant)))
+  folder = os.path.join(pub, registered.folder_name((seed, variant)))
   os.makedirs(folder)
-  model = dict(confirm_audit._paper_layers(variant), precision="fp32",
-               conv_plan="conv1:patch_gemm,primary_caps:dft")
-  train = dict(confirm_audit.REGISTERED, seed=seed)
+  model, train = registered.registered_settings(CONFIRM, variant, seed, {})
+  model = dict(model, conv_plan="conv1:patch_gemm,primary_caps:dft")
   with open(os.path.join(folder, "config.json"), "w") as f:
     json.dump({"model": model, "train": train}, f)
   with open(os.path.join(folder, "metrics.jsonl"), "w") as f:
@@ -42,7 +41,7 @@ def publish_run(pub, seed, variant, attempts=None, lost=(), outcome="completed")
   scoring = {"count": 10000, "error_percent": 0.03, "wrong": [5, 77, 901]}
   with open(os.path.join(folder, blocks.RESULTS_FILE), "w") as f:
     json.dump({str(e): {"epoch": e, "step": STEPS * e, "test": dict(scoring),
-                        "affine": dict(scoring)} for e in confirm.CONFIRM.kept}, f)
+                        "affine": dict(scoring)} for e in CONFIRM.kept}, f)
   with open(os.path.join(folder, "host.json"), "w") as f:
     json.dump({"started": {}, "resumed": [], "attempts": attempts or [attempt()],
                "lost": list(lost), "outcome": outcome}, f)
@@ -58,44 +57,44 @@ def edit(path, change):
 
 
 def first_runs(pub, n):
-  for seed, variant in confirm.sequence()[:n]:
+  for seed, variant in registered.sequence(CONFIRM)[:n]:
     publish_run(pub, seed, variant)
-  return [os.path.join(pub, confirm.folder_name(r)) for r in confirm.sequence()[:n]]
+  return [os.path.join(pub, registered.folder_name(r)) for r in registered.sequence(CONFIRM)[:n]]
 
 
 def stop(pub, name, step, digest):
-  with open(os.path.join(pub, confirm.PARTWAY_FILE), "a") as f:
+  with open(os.path.join(pub, registered.PARTWAY_FILE), "a") as f:
     f.write(json.dumps({"run": name, "step": step, "digest": digest}) + "\n")
 
 
 def test_a_clean_record_passes(tmp_path):
   pub = str(tmp_path)
   first_runs(pub, 3)
-  assert confirm_audit.audit(pub, COMMIT) == []
+  assert registered.audit(CONFIRM, pub, COMMIT) == []
 
 
 def test_a_resume_from_the_committed_state_and_a_restart_with_its_lost_attempt_pass(
     tmp_path):
   pub = str(tmp_path)
-  (s1, v1), (s2, v2) = confirm.sequence()[:2]
-  stop(pub, confirm.folder_name((s1, v1)), 900, "a" * 64)
+  (s1, v1), (s2, v2) = registered.sequence(CONFIRM)[:2]
+  stop(pub, registered.folder_name((s1, v1)), 900, "a" * 64)
   publish_run(pub, s1, v1, [attempt(), attempt("resume", from_step=900,
                                                from_digest="a" * 64)])
-  stop(pub, confirm.folder_name((s2, v2)), 300, "b" * 64)
+  stop(pub, registered.folder_name((s2, v2)), 300, "b" * 64)
   publish_run(pub, s2, v2, [attempt("restart", reason="gone")],
-              lost=[{"run": confirm.folder_name((s2, v2)), "step": 300, "digest": "b" * 64}])
-  assert confirm_audit.audit(pub, COMMIT) == []
+              lost=[{"run": registered.folder_name((s2, v2)), "step": 300, "digest": "b" * 64}])
+  assert registered.audit(CONFIRM, pub, COMMIT) == []
 
 
 def test_a_resume_after_a_kill_passes_and_the_report_says_killed(tmp_path):
   """An attempt with no end was killed (it could record no part-way state):
   its resume on the same host identity passes; the report lists the kill."""
   pub = str(tmp_path)
-  (s1, v1), = confirm.sequence()[:1]
+  (s1, v1), = registered.sequence(CONFIRM)[:1]
   publish_run(pub, s1, v1, [attempt(), attempt("resume", from_step=3432,
                                                from_digest="f" * 64, end={"why": "ended"})])
-  assert confirm_audit.audit(pub, COMMIT) == []
-  report = confirm.progress_report(pub, [], str(tmp_path / "report"))
+  assert registered.audit(CONFIRM, pub, COMMIT) == []
+  report = registered.progress_report(CONFIRM, pub, [], str(tmp_path / "report"))
   assert "| start (killed: no end recorded), resume |" in report
 
 
@@ -148,11 +147,11 @@ def test_each_breach_of_a_run_is_named(tmp_path, breach, said):
   elif breach == "outcome":
     # without an outcome the run is not ended: it is then out of turn too
     edit(*change[breach])
-    assert any("published out of turn" in b for b in confirm_audit.audit(pub, COMMIT))
+    assert any("published out of turn" in b for b in registered.audit(CONFIRM, pub, COMMIT))
     return
   else:
     edit(*change[breach])
-  found = confirm_audit.audit(pub, COMMIT)
+  found = registered.audit(CONFIRM, pub, COMMIT)
   assert any(said in b for b in found), found
   assert all(b.startswith(os.path.basename(folder) + ": ") for b in found), found
 
@@ -160,18 +159,18 @@ def test_each_breach_of_a_run_is_named(tmp_path, breach, said):
 def test_breaches_of_the_sequence_and_of_the_stops_are_named(tmp_path):
   pub = str(tmp_path)
   first_runs(pub, 1)
-  third = confirm.sequence()[2]
+  third = registered.sequence(CONFIRM)[2]
   publish_run(pub, *third)
   os.makedirs(os.path.join(pub, "r9_recon_seed5"))
-  name = confirm.folder_name(confirm.sequence()[0])
+  name = registered.folder_name(registered.sequence(CONFIRM)[0])
   stop(pub, name, 500, "c" * 64)                  # a stop nobody resumed
   stop(pub, "r2_seed5", 1, "d" * 64)              # a stop of no run
   edit(os.path.join(pub, name, "host.json"), lambda h: h.update(attempts=[
       attempt(end={"why": "stopped by SIGTERM", "step": 700}),
       attempt("resume", from_step=700, from_digest="e" * 64)]))
-  found = confirm_audit.audit(pub, COMMIT)
-  assert f"{confirm.folder_name(third)}: published out of turn (the sequence's next due is " \
-         f"{confirm.folder_name(confirm.sequence()[1])})" in found
+  found = registered.audit(CONFIRM, pub, COMMIT)
+  assert f"{registered.folder_name(third)}: published out of turn (the sequence's next due is " \
+         f"{registered.folder_name(registered.sequence(CONFIRM)[1])})" in found
   assert "r9_recon_seed5: not a run of the registered sequence" in found
   assert "partway.jsonl: a stop of 'r2_seed5', not a run of the sequence" in found
   assert f"{name}: attempt 2 resumed from step 700 (eeeeeeeeeeee), not a committed " \
@@ -182,47 +181,47 @@ def test_breaches_of_the_sequence_and_of_the_stops_are_named(tmp_path):
 
 def test_a_resume_on_another_host_and_a_restart_without_lost_attempts_are_named(tmp_path):
   pub = str(tmp_path)
-  (s1, v1), (s2, v2) = confirm.sequence()[:2]
-  stop(pub, confirm.folder_name((s1, v1)), 900, "a" * 64)
+  (s1, v1), (s2, v2) = registered.sequence(CONFIRM)[:2]
+  stop(pub, registered.folder_name((s1, v1)), 900, "a" * 64)
   other = attempt("resume", from_step=900, from_digest="a" * 64)
   other["identity"]["cpu_id"] = "AuthenticAMD family 25 model 17"
   publish_run(pub, s1, v1, [attempt(), other])
   publish_run(pub, s2, v2, [attempt("restart", reason="gone")])
-  found = confirm_audit.audit(pub, COMMIT)
+  found = registered.audit(CONFIRM, pub, COMMIT)
   assert any("attempt 2 resumed on another host identity (cpu_id:" in b for b in found)
-  assert f"{confirm.folder_name((s2, v2))}: a restart with no lost attempt recorded" in found
+  assert f"{registered.folder_name((s2, v2))}: a restart with no lost attempt recorded" in found
 
 
 def test_a_failed_run_is_scored_at_the_epochs_it_reached(tmp_path):
   pub = str(tmp_path)
-  seed, variant = confirm.sequence()[0]
+  seed, variant = registered.sequence(CONFIRM)[0]
   folder = publish_run(pub, seed, variant, outcome="failed: loss is nan at step 2500")
   with open(os.path.join(folder, "metrics.jsonl")) as f:
     rows = f.readlines()
   with open(os.path.join(folder, "metrics.jsonl"), "w") as f:
     f.writelines(rows[:5])
   edit(os.path.join(folder, blocks.RESULTS_FILE), lambda r: r.pop("10"))
-  assert confirm_audit.audit(pub, COMMIT) == []
+  assert registered.audit(CONFIRM, pub, COMMIT) == []
 
 
 def test_the_page_must_print_the_registered_order_table(tmp_path):
   with open(os.path.join(ROOT, "docs", "confirm.md")) as f:
     page = f.read()
-  assert confirm_audit.audit(str(tmp_path), COMMIT, page) == []
+  assert registered.audit(CONFIRM, str(tmp_path), COMMIT, page) == []
   swapped = page.replace("| 5 | `r1_recon` | `r3_recon_nostop` | `r3_recon` |",
                          "| 5 | `r3_recon` | `r3_recon_nostop` | `r1_recon` |")
-  assert confirm_audit.audit(str(tmp_path), COMMIT, swapped) == [
+  assert registered.audit(CONFIRM, str(tmp_path), COMMIT, swapped) == [
       "docs/confirm.md: the order table is not the registered shuffle's"]
 
 
 def test_the_page_above_its_results_line_is_the_registrations(tmp_path):
   with open(os.path.join(ROOT, "docs", "confirm.md")) as f:
     page = f.read()
-  above, below = page.split(confirm_audit.RESULTS_LINE)
-  later = above + confirm_audit.RESULTS_LINE + below + "\nA result added below the line.\n"
-  assert confirm_audit.audit(str(tmp_path), COMMIT, later, page) == []
+  above, below = page.split(registered.RESULTS_LINE)
+  later = above + registered.RESULTS_LINE + below + "\nA result added below the line.\n"
+  assert registered.audit(CONFIRM, str(tmp_path), COMMIT, later, page) == []
   amended = page.replace("n = 16 is fixed regardless", "n = 20 is fixed regardless")
-  assert confirm_audit.audit(str(tmp_path), COMMIT, amended, page) == [
+  assert registered.audit(CONFIRM, str(tmp_path), COMMIT, amended, page) == [
       "docs/confirm.md: changed above its results line since the registration"]
 
 
@@ -231,7 +230,7 @@ def test_the_audit_command_on_the_committed_runs():
   """The published runs pass (exit 0, one line); a breach exits 1 naming it."""
   proc = subprocess.run([sys.executable, "-m", "capsnet.confirm", "--audit"], cwd=ROOT,
                         capture_output=True, text=True, timeout=120)
-  if confirm_run.registration_commit(ROOT) is None:
+  if registered.registration_commit(ROOT, CONFIRM.lock) is None:
     assert proc.returncode == 1 and "no git history that adds" in proc.stderr
     return
   assert proc.returncode == 0, proc.stderr
@@ -240,9 +239,9 @@ def test_the_audit_command_on_the_committed_runs():
 
 @pytest.mark.integration
 def test_the_audit_command_names_a_breach_and_exits_1(tmp_path):
-  if confirm_run.registration_commit(ROOT) is None:
+  if registered.registration_commit(ROOT, CONFIRM.lock) is None:
     pytest.skip("no git history of docs/confirm.lock")
-  publish_run(str(tmp_path), *confirm.sequence()[0], [attempt(commit="0" * 40)])
+  publish_run(str(tmp_path), *registered.sequence(CONFIRM)[0], [attempt(commit="0" * 40)])
   proc = subprocess.run([sys.executable, "-m", "capsnet.confirm", "--audit",
                          f"--publish={tmp_path}"], cwd=ROOT, capture_output=True, text=True,
                         timeout=120)
@@ -254,11 +253,11 @@ def test_the_audit_command_names_a_breach_and_exits_1(tmp_path):
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("damaged", ["host.json", confirm.PARTWAY_FILE])
+@pytest.mark.parametrize("damaged", ["host.json", registered.PARTWAY_FILE])
 def test_a_damaged_record_is_named_in_one_line_and_exits_1(tmp_path, damaged):
   """A user's damaged host.json (of any published run) or partway.jsonl: one
   line naming the file, exit 1, no traceback."""
-  if confirm_run.registration_commit(ROOT) is None:
+  if registered.registration_commit(ROOT, CONFIRM.lock) is None:
     pytest.skip("no git history of docs/confirm.lock")
   folders = first_runs(str(tmp_path), 2)
   path = os.path.join(folders[1] if damaged == "host.json" else str(tmp_path), damaged)

@@ -11,15 +11,15 @@ from capsnet.running import runs
 from capsnet.science import along
 from capsnet.science import answer
 from capsnet.science import blocks
-from capsnet.science import confirm
-from capsnet.science import confirm_run
 from capsnet.science import grids
 from capsnet.science import protocols
+from capsnet.science import registered
+from capsnet.science import rule
 from conftest import ROOT
 
 STUDY = os.path.join(ROOT, "study")
 ALONG = os.path.join(STUDY, "along")
-CONFIRM = os.path.join(STUDY, "confirm")
+CONFIRMED = os.path.join(STUDY, "confirm")
 
 
 # A plot is compared by its pixels: the same figures drawn by another release
@@ -104,36 +104,36 @@ def test_grid_report_is_the_committed_runs_report(name, tmp_path):
 
 
 def test_confirm_report_is_the_committed_runs_report(tmp_path):
-  confirm.report(CONFIRM, protocols.CONFIRM, confirm.PILOT, str(tmp_path))
+  rule.report(CONFIRMED, protocols.CONFIRM, str(tmp_path))
   final = json.loads((tmp_path / "results.json").read_text())["final"]
   # while interim, progress only: no plot (docs/confirm.md)
-  assert os.path.exists(os.path.join(CONFIRM, "confirm.png")) == final
+  assert os.path.exists(os.path.join(CONFIRMED, "confirm.png")) == final
   for name in ("results.md", "results.json") + (("confirm.png",) if final else ()):
-    assert_same_file(str(tmp_path / name), os.path.join(CONFIRM, name), (
+    assert_same_file(str(tmp_path / name), os.path.join(CONFIRMED, name), (
         f"study/confirm/{name} is stale: python -m capsnet.confirm --train=false "
         "--out=study/confirm"))
 
 
 def test_every_confirmatory_attempt_ran_checked_fp32_from_the_registration_commit():
-  registered = confirm_run.registration_commit(ROOT)
-  assert registered is not None, "no git history of docs/confirm.lock: test a clone"
-  done, _ = confirm.progress(CONFIRM)
-  names = sorted(n for n in os.listdir(CONFIRM) if os.path.isdir(os.path.join(CONFIRM, n)))
-  assert names == sorted(confirm.folder_name(r) for r in done), "published runs out of turn"
-  with open(os.path.join(CONFIRM, "results.json")) as f:
+  commit = registered.registration_commit(ROOT, protocols.CONFIRM.lock)
+  assert commit is not None, "no git history of docs/confirm.lock: test a clone"
+  done, _ = registered.progress(protocols.CONFIRM, CONFIRMED)
+  names = sorted(n for n in os.listdir(CONFIRMED) if os.path.isdir(os.path.join(CONFIRMED, n)))
+  assert names == sorted(registered.folder_name(r) for r in done), "published runs out of turn"
+  with open(os.path.join(CONFIRMED, "results.json")) as f:
     counted = json.load(f)
   reported = (counted["runs_done"] if not counted["final"]
               else len(counted["blocks"]) * len(protocols.CONFIRM.variants))
   checked = 0
   for name in names:
-    folder = runs.RunFolder(os.path.join(CONFIRM, name))
+    folder = runs.RunFolder(os.path.join(CONFIRMED, name))
     record = folder.read_json(runs.HOST_FILE)
     assert record is not None and folder.config() is not None, (
         f"study/confirm/{name}: no host.json or config.json")
     attempts = record.get("attempts")
     assert attempts, f"study/confirm/{name}: no attempt recorded"
     for a in attempts:
-      assert (a["commit"], a["checked"]) == (registered, True), f"study/confirm/{name}: {a}"
+      assert (a["commit"], a["checked"]) == (commit, True), f"study/confirm/{name}: {a}"
     assert folder.config()["model"]["precision"] == "fp32", f"study/confirm/{name}"
     checked += 1
   assert checked == reported, f"checked {checked} runs, the report counts {reported}"

@@ -197,7 +197,8 @@ def _plain(d):
 
 
 def markdown_lines(fig, name, epoch):
-  """The report's section of these figures (`fig`: `figures`)."""
+  """The report's section of these figures (`fig`: `figures`; `name`: the
+  primary's, measured at `epoch`)."""
   def group(g):
     return _plain(g if "n" in g else None) + (
         f" (blocks {', '.join(map(str, g['blocks']))})" if g["blocks"] else " (no block)")
@@ -217,9 +218,10 @@ def markdown_lines(fig, name, epoch):
       f"{_plain(fig['validation'])}",
       f"- Over the blocks whose two runs shared a host identity: "
       f"{group(fig['shared_host'])}; over the rest: {group(fig['other_hosts'])}",
-      f"- The sd of its differences: {fig['sd']:.4f} points (the pilot's: "
-      f"{fig['pilot_sd']:.4f}); the power these blocks had to call "
-      f"{fig['power_effect']:.2f} points at it: {fig['power_at_sd']:.3f}"
+      f"- The sd of its differences: {fig['sd']:.4f} points"
+      + (f" (the pilot's: {fig['pilot_sd']:.4f})" if fig["pilot_sd"] is not None else "")
+      + f"; the power these blocks had to call {fig['power_effect']:.2f} points at it: "
+      f"{fig['power_at_sd']:.3f}"
       if fig["sd"] else "- The sd of its differences: none (fewer than two blocks)", ""]
   rows = fig["resumes_and_restarts"]
   lines += ["### Every resume and every restart", ""]

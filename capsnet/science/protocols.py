@@ -126,7 +126,14 @@ CONFIRM = dataclasses.replace(
         "margin": 0.06,              # equivalence: the 90% interval inside +-0.06 points
         "margin_descriptive": 0.10,  # the same test, reported beside it
         "power": {"effect": 0.06, "target": 0.80},
-        "order_seed": 20261205})     # the shuffle of the blocks' orders
+        "order_seed": 20261205,      # the shuffle of the blocks' orders
+        # the claim: the secondary pairs' signs it predicts (+1: B - A > 0)
+        "claim": {"text": "with the stop r = 3 beats r = 1, without it r = 1 beats r = 3",
+                  "signs": (-1, +1)},
+        # the verdict's words: a called primary, an equivalence shown
+        "says": {"a_lower": "the stop gives the lower test error",
+                 "b_lower": "turning the stop off gives the lower test error",
+                 "subject": "the stop"}})
 
 # Section 6: an epoch is 55,000 pairs drawn on the fly.
 MULTIMNIST = Protocol("multimnist", "CapsNet on MultiMNIST (both digits right)", {
