@@ -14,13 +14,13 @@ added after the registration, computed beside its answer and never called.
 - every resume and every restart.
 """
 import dataclasses
-import itertools
 import os
 
 import numpy as np
 
 from capsnet.running import runs
 from capsnet.science import blocks
+from capsnet.science import registered
 from capsnet.science import report as study_report
 from capsnet.science import stats
 
@@ -149,20 +149,18 @@ def resumes_and_restarts(out, names):
   the host.json of the runs `names` in `out`, in their order."""
   rows = []
   for name in names:
-    record = runs.RunFolder(os.path.join(out, name)).read_json(runs.HOST_FILE) or {}
-    attempts = record.get("attempts", [])
-    for before, now in itertools.pairwise(attempts):
-      end = before.get("end", {})
+    history = registered.History.read(os.path.join(out, name))
+    for before, now in history.resumes():
       rows.append({"run": name, "kind": "resume",
                    "hosts": f"{host_name(before.get('identity', {}))} -> "
                             f"{host_name(now.get('identity', {}))}",
                    "steps": f"from step {now.get('from_step')}",
-                   "why": end.get("why", "killed: no end recorded")})
-    for lost in record.get("lost", []):
+                   "why": before.get("end", {}).get("why", "killed: no end recorded")})
+    for lost in history.lost:
       step = lost.get("step")
       rows.append({"run": name, "kind": "restart",
                    "hosts": f"{host_name(lost.get('identity', {}))} -> "
-                            f"{host_name(attempts[0].get('identity', {}))}",
+                            f"{host_name(history.attempts[0].get('identity', {}))}",
                    "steps": f"lost at step {'unknown' if step is None else step}; "
                             f"again from step 0",
                    "why": f"{lost.get('why', '?')}; {lost.get('lost', '?')}"})
