@@ -24,13 +24,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def train_command(spec, seed, folder, settings, extra):
-  """The train.py command of one run; `spec` holds the variant's flags."""
-  variant_flags = [f"--{k}={v}" for k, v in spec.items()]
-  run_flags = [f"--{k}={settings[k]}" for k in ("precision", "decay_steps", "diag_every",
-                                                 "val_every") if k in settings]
-  return [sys.executable, os.path.join(ROOT, "train.py"), *variant_flags,
+  """The train.py command of one run; `spec` holds the variant's flags,
+  `settings` the run's epochs and other train.py flags (its kept epochs
+  aside)."""
+  def flag(key, value):
+    return f"--{key}={','.join(map(str, value)) if isinstance(value, tuple) else value}"
+  return [sys.executable, os.path.join(ROOT, "train.py"), *(flag(*f) for f in spec.items()),
           f"--seed={seed}", f"--epochs={settings['epochs']}", f"--logdir={folder}",
-          *run_flags, "--progress=false", *extra]
+          *(flag(k, v) for k, v in settings.items() if k not in ("epochs", "kept")),
+          "--progress=false", *extra]
 
 
 def parse_pairs(specs, variants):

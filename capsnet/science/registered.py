@@ -692,7 +692,7 @@ def _run_breaches(protocol, folder, seed, variant, registered, stops):
   for section, expected in (("model", model), ("train", train)):
     for key, value in expected.items():
       found = config.get(section, {}).get(key)
-      if found != value:
+      if found != (list(value) if isinstance(value, tuple) else value):
         out.append(f"config.json has {key}={found!r}, registered {value!r}")
   outcome = history.outcome
   failed = isinstance(outcome, str) and outcome.startswith("failed")

@@ -89,9 +89,11 @@ def decide(found, protocol, final):
                       ("within_descriptive", rule["margin_descriptive"])):
     out["equivalence"][key] = bool(final and within and within["lo"] is not None
                                    and -margin < within["lo"] and within["hi"] < margin)
-  # The claim: the secondary pair's signs it predicts (+1: B - A > 0).
-  expected = list(rule["claim"]["signs"])
-  if not final:
+  # The claim: the secondary pairs' signs it predicts (+1: B - A > 0), if any.
+  expected = list(rule["claim"]["signs"]) if "claim" in rule else None
+  if expected is None:
+    out["claim"] = None
+  elif not final:
     out["claim"] = "interim: no verdict"
   elif signs == expected:
     out["claim"] = "supported"
@@ -139,7 +141,8 @@ def verdict_lines(decision, protocol):
     lines.append(f"- Secondary, {name}: {d['mean']:+.3f} points [{d['lo']:+.3f}, "
                  f"{d['hi']:+.3f}], p = {d['p']:.3f}, Holm-adjusted {d['p_holm']:.3f}: "
                  + ("**called**" if d["called"] else "not called"))
-  lines.append(f"- **The claim** ({rule['claim']['text']}): **{decision['claim']}**")
+  if decision["claim"] is not None:
+    lines.append(f"- **The claim** ({rule['claim']['text']}): **{decision['claim']}**")
   return lines
 
 
