@@ -23,7 +23,6 @@ from absl import flags
 
 from capsnet.data import affine
 from capsnet.running import runs
-from capsnet.running import schedule
 from capsnet.science import grids
 from capsnet.science import report
 
@@ -32,13 +31,14 @@ def define_flags():
   """The command-line flags; defined when run as a program only, so that
   importing this module (tests, other tools) adds no global flags."""
   flags.DEFINE_enum("grid", "stop_gradient", sorted(grids.GRIDS), "the grid of variants")
-  flags.DEFINE_integer("epochs", 1, "epochs per run", lower_bound=1)
-  flags.DEFINE_integer("seeds", 2, "seeds per variant (0 .. seeds-1)", lower_bound=1)
+  flags.DEFINE_integer("epochs", None, "epochs per run (default: the grid's, else 1)",
+                       lower_bound=1)
+  flags.DEFINE_integer("seeds", None, "seeds per variant (first_seed ..; default: as many "
+                       "as the grid declares, else 2)", lower_bound=1)
   flags.DEFINE_integer("first_seed", 0, "the first seed", lower_bound=0)
   flags.DEFINE_list("variants", None, "variants to run (default: the whole grid)")
-  flags.DEFINE_list("decay_steps", [str(schedule.DECAY_STEPS)], "learning-rate "
-                    "decay periods (train.py --decay_steps); each variant runs "
-                    "with each")
+  flags.DEFINE_list("decay_steps", None, "learning-rate decay periods (train.py "
+                    "--decay_steps); each variant runs with each (default: the grid's)")
   flags.DEFINE_string("out", "study", "folder of the runs, table and plots")
   flags.DEFINE_string("publish", None, "also write the table and plots here and "
                       "copy each run's small files to <publish>/<run>/")
@@ -47,8 +47,9 @@ def define_flags():
   flags.DEFINE_integer("val_every", 100, "steps between validations inside an epoch "
                        "(for the curves; 0: epoch ends only)", lower_bound=0)
   flags.DEFINE_bool("train", True, "run missing runs (false: only tabulate)")
-  flags.DEFINE_list("compare", [], "paired comparisons A:B (B - A per seed, mean "
-                    "and 95 percent t interval), e.g. r3_recon:r3_recon_nostop")
+  flags.DEFINE_list("compare", None, "paired comparisons A:B (B - A per seed, mean "
+                    "and 95 percent t interval), e.g. r3_recon:r3_recon_nostop "
+                    "(default: the grid's pairs)")
   flags.DEFINE_bool("routing", True, "after a run finishes, measure how far "
                     "routing moves the couplings (eval.py on its best checkpoint, "
                     "with its own and the other routing count): routing.json")
@@ -72,21 +73,23 @@ def main(argv):
   if unknown:
     sys.exit(f"study: error: --variants: {unknown} not in the {grid.name} "
              f"grid {list(grid.variants)}")
+  decays = FLAGS.decay_steps or [str(d) for d in grid.schedules]
   try:
-    schedules = [int(d) for d in FLAGS.decay_steps]
+    schedules = [int(d) for d in decays]
   except ValueError:
     schedules = []
   if not schedules or min(schedules) < 1:
-    sys.exit(f"study: error: --decay_steps={','.join(FLAGS.decay_steps)}: "
-             "expected positive integers")
-  settings = {k: FLAGS[k].value for k in ("epochs", "precision", "diag_every",
-                                          "val_every")}
+    sys.exit(f"study: error: --decay_steps={','.join(decays)}: expected positive integers")
+  settings = {"epochs": FLAGS.epochs or grid.epochs or 1,
+              **{k: FLAGS[k].value for k in ("precision", "diag_every", "val_every")}}
+  compare = (FLAGS.compare if FLAGS.compare is not None
+             else [f"{a}:{b}" for a, b, _ in grid.pairs])
   try:
-    pairs = grids.parse_pairs(FLAGS.compare, grid.variants)
+    pairs = grids.parse_pairs(compare, grid.variants)
     sweep = [int(d) if d == int(d) else d for d in affine.parse_sweep(FLAGS.affine_sweep)]
   except ValueError as e:
     sys.exit(f"study: error: {e}")
-  seeds = range(FLAGS.first_seed, FLAGS.first_seed + FLAGS.seeds)
+  seeds = range(FLAGS.first_seed, FLAGS.first_seed + (FLAGS.seeds or len(grid.seeds) or 2))
   if not FLAGS.train and not any(
       os.path.isdir(report.run_dir(FLAGS.out, n, s, d)) for s in seeds for d in schedules
       for n in variants):   # checked before any scoring

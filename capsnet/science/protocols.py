@@ -51,6 +51,7 @@ class Protocol:
   seeds: tuple = ()         # the registered seeds (blocks); () where the user picks
   epochs: int = 0           # a run's epochs (0: the user picks)
   decay_steps: int = schedule.DECAY_STEPS   # the learning rate's decay period
+  other_decays: tuple = ()  # further decay periods its runs are trained at too
   kept: tuple = ()          # epochs whose weights are kept and each scored once
   pairs: tuple = ()         # (A, B, what B - A is)
   primary: tuple = ()       # (A, B, what): the one registered hypothesis
@@ -68,6 +69,12 @@ class Protocol:
   lock: str = ""            # registered: its lock file; the registration is the
                             # commit that adds it
   pilot: str = ""           # the protocol whose runs chose this design
+  published: tuple = ()     # the variants of its published report (): all)
+
+  @property
+  def schedules(self):
+    """Every decay period its runs are trained at, the paper's first."""
+    return (self.decay_steps, *self.other_decays)
 
   @property
   def test_sets(self):
@@ -101,11 +108,13 @@ TABLE1 = Protocol("table1", "CapsNet on MNIST: the rows of Table 1", {
                              ema_decay=EMA_DECAY),
     "r3_recon_official": dict(iter_routing=3, **_RECON, recon_weight=0.01,
                               capsule_layers="official", ema_decay=EMA_DECAY)},
-    epochs=50, pairs=STOP_PAIRS)
+    epochs=50, pairs=STOP_PAIRS, seeds=(0, 1, 2), other_decays=(143,),
+    published=("r3_recon", "r1_recon", "r3_recon_nostop", "r3_norecon"))
 
 # docs/short.md: the stop_gradient question in runs that fit a sitting.
 SHORT = Protocol("short", "CapsNet on MNIST: the short protocol (5 epochs)", STOP_VARIANTS,
-                 measures=SHORT_MEASURES, epochs=5, decay_steps=14, pairs=STOP_PAIRS,
+                 measures=SHORT_MEASURES, seeds=tuple(range(5)), epochs=5, decay_steps=14,
+                 pairs=STOP_PAIRS,
                  unit="block", affine=True, descriptive=SELECTION_FREE, within=True,
                  note=" (nine intervals at 95% each, not corrected for multiplicity)")
 
@@ -137,6 +146,6 @@ CONFIRM = dataclasses.replace(
 
 # Section 6: an epoch is 55,000 pairs drawn on the fly.
 MULTIMNIST = Protocol("multimnist", "CapsNet on MultiMNIST (both digits right)", {
-    "r3_recon": dict(STOP_VARIANTS["r3_recon"], dataset="multimnist")})
+    "r3_recon": dict(STOP_VARIANTS["r3_recon"], dataset="multimnist")}, seeds=(0,), epochs=14)
 
 PROTOCOLS = {p.name: p for p in (STOP_GRADIENT, TABLE1, SHORT, ALONG, CONFIRM, MULTIMNIST)}
