@@ -277,3 +277,21 @@ def latest_step(logdir):
       return int(f.readline().split('"')[1].rsplit("-", 1)[1])
   except (OSError, IndexError, ValueError):
     return 0
+
+
+def assert_same_decision(ours, theirs):
+  """Two results.json decisions agree: every call, count and word exactly,
+  every figure to 1e-9 (main's t quantiles are scipy's, the registration's
+  its own series: they differ in the last bits, never in a printed digit)."""
+  if isinstance(theirs, float):
+    assert ours == pytest.approx(theirs, rel=1e-9, abs=1e-12)
+  elif isinstance(theirs, dict):
+    assert sorted(ours) == sorted(theirs)
+    for key in theirs:
+      assert_same_decision(ours[key], theirs[key])
+  elif isinstance(theirs, list):
+    assert len(ours) == len(theirs)
+    for a, b in zip(ours, theirs, strict=True):
+      assert_same_decision(a, b)
+  else:
+    assert type(ours) is type(theirs) and ours == theirs

@@ -16,6 +16,7 @@ from capsnet.science import protocols
 from capsnet.science import registered
 from capsnet.science import rule
 from conftest import ROOT
+from conftest import assert_same_decision
 
 STUDY = os.path.join(ROOT, "study")
 ALONG = os.path.join(STUDY, "along")
@@ -108,6 +109,28 @@ def test_confirm_report_is_the_committed_runs_report(tmp_path):
     assert_same_file(str(tmp_path / name), os.path.join(CONFIRMED, name), (
         f"study/confirm/{name} is stale: python -m capsnet.confirm --train=false "
         "--out=study/confirm"))
+
+
+def test_the_registered_answer_is_the_registrations_own_report():
+  """Once the last run is in, study/confirm/registered/ holds the report the
+  registration's own code made (issue 72), and main's report gives the same
+  registered answer, line for line, and the same decision; before, neither."""
+  with open(os.path.join(CONFIRMED, "results.json")) as f:
+    ours = json.load(f)
+  theirs_folder = os.path.join(CONFIRMED, "registered")
+  if not ours["final"]:
+    assert not os.path.exists(theirs_folder), "the registration's report before the last run"
+    return
+  with open(os.path.join(theirs_folder, "results.json")) as f:
+    theirs = json.load(f)
+  assert theirs["final"] and theirs["blocks"] == ours["blocks"]
+  assert_same_decision(ours["decision"], theirs["decision"])
+  with open(os.path.join(CONFIRMED, "results.md")) as f, \
+      open(os.path.join(theirs_folder, "results.md")) as g:
+    answer = rule.registered_answer(f.read())
+    assert answer and answer == rule.registered_answer(g.read())
+  for name in ("confirm.png", "README.md"):
+    assert os.path.isfile(os.path.join(theirs_folder, name)), name
 
 
 def test_every_confirmatory_attempt_ran_checked_fp32_from_the_registration_commit():
