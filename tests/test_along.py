@@ -120,7 +120,8 @@ def test_report_from_the_files_and_again_the_same_bytes(block_runs, tmp_path):
   # 48 intervals: three pairs, four measures, four epochs.
   assert " of 48 intervals exclude zero; " in text and "about 2.4 would" in text
   payload = json.loads((pub / "results.json").read_text())
-  assert payload["blocks"] == [0, 1, 2, 3, 4] and len(payload["comparisons"]) == 48
+  assert payload["details"]["blocks"] == [0, 1, 2, 3, 4] and len(payload["comparisons"]) == 48
+  assert payload["protocol"] == "along" and payload["final"] and len(payload["runs"]) == 15
   assert (pub / "along.png").read_bytes()[:4] == b"\x89PNG"
   before = {p: (pub / p).read_bytes() for p in ("results.md", "results.json", "along.png")}
   assert (open(os.path.join(block_runs, "results.md")).read() == text)
@@ -143,7 +144,7 @@ def test_a_blocks_command_publishes_the_report_of_every_published_block(block_ru
                 f"--publish={pub}")
   assert proc.returncode == 0, proc.stderr[-2000:]
   assert "1 block(s) (seeds 4): **interim**" in (out / "results.md").read_text()
-  assert json.loads((pub / "results.json").read_text())["blocks"] == [0, 1, 2, 3, 4]
+  assert json.loads((pub / "results.json").read_text())["details"]["blocks"] == [0, 1, 2, 3, 4]
   whole = {p: (pub / p).read_bytes() for p in ("results.md", "results.json", "along.png")}
   proc = _along("--seeds=5", f"--out={pub}", "--train=false", f"--publish={pub}")
   assert proc.returncode == 0, proc.stderr[-2000:]
@@ -155,7 +156,8 @@ def test_a_blocks_command_publishes_the_report_of_every_published_block(block_ru
                 f"--publish={pub}")
   assert proc.returncode == 0, proc.stderr[-2000:]
   payload = json.loads((pub / "results.json").read_text())
-  assert payload["blocks"] == [0, 1, 2, 3] and payload["incomplete_blocks"] == [4]
+  assert payload["details"]["blocks"] == [0, 1, 2, 3]
+  assert payload["details"]["incomplete_blocks"] == [4]
 
 
 def test_fewer_blocks_are_interim(block_runs):
@@ -229,8 +231,9 @@ def test_an_incomplete_block_is_left_out(block_runs, tmp_path):
           "Seed(s) 3, 4: an incomplete block (a run or a scoring missing), left out "
           "until it is complete.") in text
   payload = json.loads((tmp_path / "out" / "results.json").read_text())
-  assert payload["blocks"] == [0, 1, 2] and payload["incomplete_blocks"] == [3, 4]
+  assert payload["details"]["blocks"] == [0, 1, 2]
+  assert payload["details"]["incomplete_blocks"] == [3, 4] and not payload["final"]
   # Every pair is over the same three blocks, r3 - r1 too (both of its runs exist
   # in block 4).
   assert {c["n"] for c in payload["comparisons"]} == {3}
-  assert sorted(payload["runs"]["r3_recon"]) == ["0", "1", "2"]
+  assert sorted(r["seed"] for r in payload["runs"] if r["variant"] == "r3_recon") == [0, 1, 2]

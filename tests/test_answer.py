@@ -23,19 +23,19 @@ MARGIN = {"r1_recon": [0.020, 0.021, 0.022], "r3_recon": [0.0201, 0.0212, 0.0219
           "r3_recon_nostop": [0.0190, 0.0195, 0.0210]}
 
 
-def grid_rows(decay_steps, seeds):
-  """A study report's rows (`report.summarize`'s fields that answer reads)."""
-  rows = []
-  for variant, margins in MARGIN.items():
-    rows.append({"variant": variant, "decay_steps": decay_steps, "runs": [
-        {"seed": s, "complete": True, "test_margin_loss": margins[s],
-         "test_error": 1.0 + margins[s] * 10,
-         "routing": ({"own": {"max_c": [0.1, 0.103, 0.104 + 0.001 * s]}}
-                     if variant != "r1_recon" else None),
-         "diag": {"digit_caps/weights": [0.0, 0.2 + 0.1 * s]}} for s in seeds]})
-  # Another schedule's row is left out.
-  rows.append(dict(rows[0], decay_steps=decay_steps + 1))
-  return rows
+def grid_results(name, decay_steps, seeds):
+  """A grid report's results.json (the run fields that answer reads)."""
+  runs = [{"run": f"{variant}_seed{s}", "variant": variant, "seed": s,
+           "decay_steps": decay_steps, "complete": True, "test_margin_loss": margins[s],
+           "test_error": 1.0 + margins[s] * 10,
+           "routing": ({"own": {"max_c": [0.1, 0.103, 0.104 + 0.001 * s]}}
+                       if variant != "r1_recon" else None),
+           "diag": {"digit_caps/weights": [0.0, 0.2 + 0.1 * s]}}
+          for variant, margins in MARGIN.items() for s in seeds]
+  # Another schedule's run is left out.
+  runs.append(dict(runs[0], decay_steps=decay_steps + 1, test_margin_loss=1.0))
+  return json.dumps({"protocol": name, "title": name, "final": True, "runs": runs,
+                     "comparisons": [], "details": {}})
 
 
 @pytest.fixture
@@ -43,15 +43,15 @@ def study(tmp_path, block_runs):  # noqa: F811
   root = tmp_path / "study"
   (root / "short").mkdir(parents=True)
   (root / "table1").mkdir()
-  (root / "short" / "results.json").write_text(json.dumps(
-      {"rows": grid_rows(protocols.SHORT.decay_steps, [0, 1, 2]), "comparisons": []}))
-  (root / "table1" / "results.json").write_text(json.dumps(
-      {"rows": grid_rows(2000, [0]), "comparisons": []}))
+  (root / "short" / "results.json").write_text(
+      grid_results("short", protocols.SHORT.decay_steps, [0, 1, 2]))
+  (root / "table1" / "results.json").write_text(grid_results("table1", 2000, [0]))
   found = blocks.collect(block_runs, range(5), protocols.ALONG)
   along.report(found, protocols.ALONG, str(root / "along"))
   (root / "confirm").mkdir()   # interim: progress only, no row
-  (root / "confirm" / "results.json").write_text(json.dumps({"final": False,
-                                                             "runs_done": 31}))
+  (root / "confirm" / "results.json").write_text(json.dumps(
+      {"protocol": "confirm", "title": "", "final": False, "runs": [], "comparisons": [],
+       "details": {"runs_done": 31}}))
   return str(root)
 
 
@@ -141,12 +141,12 @@ def test_the_confirmatory_row_comes_first_with_its_registered_calls(study, tmp_p
   assert [r["length"] for r in table[1:]][:2] == ["5 epochs, compressed schedule",
                                                  "epoch 1, paper's schedule"]
   stop = first["pairs"]["r3_recon:r3_recon_nostop"]
-  registered = payload["decision"]["primary"]
+  registered = payload["details"]["decision"]["primary"]
   assert {k: stop["test_error"][k] for k in ("mean", "lo", "hi", "called", "n")} == {
       k: registered[k] for k in ("mean", "lo", "hi", "called", "n")}
   assert stop["test_margin_loss"]["called"] is False
   routing = first["pairs"]["r1_recon:r3_recon"]["test_error"]
-  assert routing["called"] == payload["decision"]["secondary"][0]["called"]
+  assert routing["called"] == payload["details"]["decision"]["secondary"][0]["called"]
   text = answer.markdown(table)
   assert text.splitlines()[8].startswith(
       "| epoch 10, paper's schedule: confirmatory, 16 blocks | none | ")

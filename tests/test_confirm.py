@@ -219,7 +219,7 @@ def test_the_interim_report_shows_a_part_way_run_by_its_newest_stop(tmp_path):
   text = registered.progress_report(CONFIRM, str(out), [], str(out))
   assert (f"| 4 | {due} | part-way (step unknown) | Intel(R) Xeon(R) Processor, GenuineIntel "
           "family 6 model 143 | stop (stopped by SIGTERM), stop (killed outright) |") in text
-  assert json.loads((out / "results.json").read_text())["partway_stops"] == 2
+  assert json.loads((out / "results.json").read_text())["details"]["partway_stops"] == 2
 
 
 def _confirm(*args):
@@ -244,7 +244,7 @@ def test_the_report_from_files_interim_then_final_and_the_same_bytes(tmp_path):
   # progress only: no difference, no interval, no plot
   assert "interval [" not in text and "+0." not in text and "-0." not in text
   assert not (out / "confirm.png").exists()
-  assert json.loads((out / "results.json").read_text())["runs_done"] == 45
+  assert json.loads((out / "results.json").read_text())["details"]["runs_done"] == 45
   fake_block(str(out), SEEDS[-1], errs)
   proc = _confirm(f"--out={out}", f"--publish={out}", "--train=false")
   assert proc.returncode == 0, proc.stderr[-2000:]
@@ -257,12 +257,13 @@ def test_the_report_from_files_interim_then_final_and_the_same_bytes(tmp_path):
   assert "- Exact sign-flip p over all 65,536 sign patterns of the block differences: " in text
   assert "### Every resume and every restart" in text
   payload = json.loads((out / "results.json").read_text())
-  assert payload["final"] and payload["blocks"] == list(SEEDS)
-  assert payload["descriptive"]["bootstrap"]["resamples"] == 10000
-  assert [k["kind"] for k in payload["by_host_kind"]] == [
+  details = payload["details"]
+  assert payload["final"] and details["blocks"] == list(SEEDS)
+  assert details["descriptive"]["bootstrap"]["resamples"] == 10000
+  assert [k["kind"] for k in details["by_host_kind"]] == [
       "AMD EPYC, AuthenticAMD family 25 model 1", "AMD EPYC, AuthenticAMD family 25 model 17",
       "AMD EPYC, AuthenticAMD family 26 model 1"]
-  assert payload["pooled"][0]["n"] == 21    # the five pilot blocks and these sixteen
+  assert details["pooled"][0]["n"] == 21    # the five pilot blocks and these sixteen
   assert (out / "confirm.png").read_bytes()[:4] == b"\x89PNG"
   before = {p: (out / p).read_bytes() for p in ("results.md", "results.json", "confirm.png")}
   proc = _confirm(f"--out={out}", f"--publish={out}", "--train=false")
@@ -379,7 +380,7 @@ def test_the_registered_answer_is_the_registrations_own(tmp_path):
   assert rule.registered_answer(ours) == rule.registered_answer(theirs)
   assert "## Descriptive, added after the registration: never called" not in theirs
   assert "## Descriptive, added after the registration: never called" in ours
-  decisions = [json.loads((tmp_path / f / "results.json").read_text())["decision"]
-               for f in ("main", "theirs")]
+  decisions = [json.loads((tmp_path / "main" / "results.json").read_text())["details"][
+      "decision"], json.loads((tmp_path / "theirs" / "results.json").read_text())["decision"]]
   assert_same_decision(*decisions)
 

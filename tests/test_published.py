@@ -123,8 +123,8 @@ def test_the_registered_answer_is_the_registrations_own_report():
     return
   with open(os.path.join(theirs_folder, "results.json")) as f:
     theirs = json.load(f)
-  assert theirs["final"] and theirs["blocks"] == ours["blocks"]
-  assert_same_decision(ours["decision"], theirs["decision"])
+  assert theirs["final"] and theirs["blocks"] == ours["details"]["blocks"]
+  assert_same_decision(ours["details"]["decision"], theirs["decision"])
   with open(os.path.join(CONFIRMED, "results.md")) as f, \
       open(os.path.join(theirs_folder, "results.md")) as g:
     answer = rule.registered_answer(f.read())
@@ -141,8 +141,8 @@ def test_every_confirmatory_attempt_ran_checked_fp32_from_the_registration_commi
   assert names == sorted(registered.folder_name(r) for r in done), "published runs out of turn"
   with open(os.path.join(CONFIRMED, "results.json")) as f:
     counted = json.load(f)
-  reported = (counted["runs_done"] if not counted["final"]
-              else len(counted["blocks"]) * len(protocols.CONFIRM.variants))
+  reported = (counted["details"]["runs_done"] if not counted["final"]
+              else len(counted["details"]["blocks"]) * len(protocols.CONFIRM.variants))
   checked = 0
   for name in names:
     folder = runs.RunFolder(os.path.join(CONFIRMED, name))
@@ -174,7 +174,7 @@ def test_readme_table_is_the_answers_and_says_interim_while_it_is():
   ours = table_rows(readme, "| training | checkpoint |")
   assert ours and ours == table_rows(answered, "| training | checkpoint chosen on |")
   with open(os.path.join(ALONG, "results.json")) as f:
-    blocks = json.load(f)["blocks"]
+    blocks = json.load(f)["details"]["blocks"]
   if len(blocks) < 5:
     named = ", ".join(str(b) for b in blocks[:-1]) + f" and {blocks[-1]}"
     assert f"interim: blocks {named} of 5" in readme

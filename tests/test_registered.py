@@ -159,7 +159,9 @@ def test_a_protocol_declared_here_runs_end_to_end_on_the_runner(tmp_path):
   assert "- **Primary** (routing: r2 - r1, test_error at epoch 2, n = 2): " in text
   assert "## Descriptive, added after the registration: never called" in text
   assert "affine" not in text and (pub / "tiny.png").exists()
-  assert json.loads((pub / "results.json").read_text())["decision"]["primary"]["n"] == 2
+  payload = json.loads((pub / "results.json").read_text())
+  assert payload["protocol"] == "tiny" and payload["final"]
+  assert payload["details"]["decision"]["primary"]["n"] == 2
 
 
 def test_no_library_file_names_it():

@@ -159,7 +159,11 @@ def test_study_cli_runs_then_skips(tmp_path):
   for name in ("results.md", "results.json", "val_error.png", "diagnostic.png",
                "r2_nostop_seed0.log", "r2_nostop_seed0/test_results.json"):
     assert os.path.exists(os.path.join(out, name)), name
-  (row,) = json.load(open(os.path.join(out, "results.json")))["rows"]
+  payload = json.load(open(os.path.join(out, "results.json")))
+  (row,) = payload["details"]["rows"]
+  (run,) = payload["runs"]
+  assert (payload["protocol"], run["variant"], run["seed"]) == ("stop_gradient", "r2_nostop", 0)
+  row["runs"] = payload["runs"]
   test = json.load(open(os.path.join(out, "r2_nostop_seed0", "test_results.json")))
   assert row["variant"] == "r2_nostop" and row["seeds"] == 1
   assert row["test_errors"] == [test["error_percent"]]
@@ -287,7 +291,11 @@ def test_seed_aggregation_comparison_and_band_plot(tmp_path):
   report.report(rows, str(tmp_path / "report"), grids.GRIDS["table1"], comparisons)
   assert open(tmp_path / "report" / "val_error.png", "rb").read(8) == b"\x89PNG\r\n\x1a\n"
   saved = json.load(open(tmp_path / "report" / "results.json"))
-  assert sorted(saved) == ["comparisons", "rows"] and len(saved["rows"]) == 3
+  assert sorted(saved) == ["comparisons", "details", "final", "protocol", "runs", "title"]
+  assert len(saved["details"]["rows"]) == 3 and saved["protocol"] == "table1"
+  assert len(saved["runs"]) == sum(len(r["runs"]) for r in rows)
+  # a comparison a measure: the two figures of each pair that has seeds
+  assert {c["measure"] for c in saved["comparisons"]} == {"test_error", "last_val_error"}
 
 
 def test_routing_summary_counts_changed_predictions(tmp_path):

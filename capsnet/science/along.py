@@ -78,14 +78,11 @@ def report(found, protocol, folder):
   found = complete
   table, reversals = blocks.compare(found, protocol)
   text = markdown(found, table, reversals, protocol, len(done), partial)
-  payload = {"blocks": done, "incomplete_blocks": partial,
-             "kept_epochs": list(protocol.kept),
-             "comparisons": [{"a": a, "b": b, "measure": key, "epoch": e, **d}
-                             for (a, b), per_m in table.items()
-                             for key, per in per_m.items() for e, d in per.items()],
+  details = {"blocks": done, "incomplete_blocks": partial, "kept_epochs": list(protocol.kept),
              "reversals": [dict(zip(("a", "b", "measure", "earlier", "later"), r, strict=True))
                            for r in reversals]}
-  blocks.write_report(folder, text, payload, found)
+  blocks.write_report(folder, text, protocol, len(done) >= len(protocol.seeds), found, table,
+                      details)
   plot(table, protocol, os.path.join(folder, "along.png"))
   return text
 

@@ -33,10 +33,19 @@ def _read(study, protocol):
   return found
 
 
-def _from_rows(rows, decay_steps):
-  """{variant: {seed: run}} of a study report's finished runs at one schedule."""
-  return {r["variant"]: {x["seed"]: x for x in r["runs"] if x["complete"]}
-          for r in rows if r["decay_steps"] == decay_steps}
+def _finished(found, decay_steps):
+  """{variant: {seed: run}} of a grid report's finished runs at one schedule."""
+  out = {}
+  for x in found["runs"]:
+    if x["complete"] and x["decay_steps"] == decay_steps:
+      out.setdefault(x["variant"], {})[x["seed"]] = x
+  return out
+
+
+def _at_epoch(found, variant, epoch):
+  """{seed: measures} of a block report's runs of `variant` at `epoch`."""
+  return {x["seed"]: x["epochs"][epoch] for x in found["runs"]
+          if x["variant"] == variant and epoch in x["epochs"]}
 
 
 def _grid_row(label, selection, runs_by_variant):
@@ -68,21 +77,21 @@ def _confirm_row(found):
   calls it (Holm for the secondary pair); the margin loss, not registered, is
   never called."""
   protocol = protocols.CONFIRM
-  epoch, decision = str(protocol.rule["epoch"]), found["decision"]
+  epoch, decision = str(protocol.rule["epoch"]), found["details"]["decision"]
   row = {"length": f"epoch {epoch}, paper's schedule: confirmatory, "
-                   f"{len(found['blocks'])} blocks", "selection": "none",
+                   f"{len(found['details']['blocks'])} blocks", "selection": "none",
          "pairs": {}, "mechanism": {}}
   registered = [decision["primary"], *decision["secondary"]]
   for (a, b, _), d in zip([protocol.primary, *protocol.secondary], registered, strict=True):
     margin = stats.paired_difference(
-        *({s: m[epoch]["test_margin_loss"] for s, m in found["runs"].get(v, {}).items()
-           if epoch in m} for v in (a, b)))
+        *({s: m["test_margin_loss"] for s, m in _at_epoch(found, v, epoch).items()}
+          for v in (a, b)))
     row["pairs"][f"{a}:{b}"] = {
         protocol.rule["measure"]: {k: d[k] for k in ("seeds", "diffs", "n", "mean", "sd",
                                                      "t", "lo", "hi", "called")},
         "test_margin_loss": margin and dict(margin, called=False)}
   for v in ROUTED:
-    per = [m[epoch] for m in found["runs"].get(v, {}).values() if epoch in m]
+    per = list(_at_epoch(found, v, epoch).values())
     row["mechanism"][v] = _mechanism([m.get("max_c") for m in per],
                                      [m.get("grad_share") for m in per])
   return row
@@ -103,10 +112,10 @@ def rows(study, names=ANSWERED):
   short = _read(study, "short") if "short" in names else None
   if short:
     out.append(_grid_row("5 epochs, compressed schedule", "best validation",
-                         _from_rows(short["rows"], protocols.SHORT.decay_steps)))
+                         _finished(short, protocols.SHORT.decay_steps)))
   along = _read(study, "along") if "along" in names else None
   if along:
-    for epoch in along["kept_epochs"]:
+    for epoch in along["details"]["kept_epochs"]:
       row = {"length": f"epoch {epoch}, paper's schedule", "selection": "none",
              "pairs": {}, "mechanism": {}}
       for c in along["comparisons"]:
@@ -115,15 +124,14 @@ def rows(study, names=ANSWERED):
                                  "called")}
           row["pairs"].setdefault(f"{c['a']}:{c['b']}", {})[c["measure"]] = d
       for v in ROUTED:
-        per = [m[str(epoch)] for m in along["runs"].get(v, {}).values()
-               if str(epoch) in m]
+        per = list(_at_epoch(along, v, str(epoch)).values())
         row["mechanism"][v] = _mechanism([m.get("max_c") for m in per],
                                          [m.get("grad_share") for m in per])
       out.append(row)
   table1 = _read(study, "table1") if "table1" in names else None
   if table1:
     out.append(_grid_row("50 epochs, paper's schedule", "best validation",
-                         _from_rows(table1["rows"], protocols.TABLE1.decay_steps)))
+                         _finished(table1, protocols.TABLE1.decay_steps)))
   return out
 
 

@@ -3,10 +3,8 @@ share: a block is one seed's run of each variant of a `protocols.Protocol`,
 trained on its schedule, the weights kept at its kept epochs each scored once
 on the test and affine sets; each run's figures from its files, the paired
 differences of its pairs and measures, and the pieces of a block report."""
-import json
 import os
 
-from capsnet.running import files
 from capsnet.running import runs
 from capsnet.science import grids
 from capsnet.science import report as study_report
@@ -195,16 +193,18 @@ def measure_tables(table, protocol, heading="##", pilot_primary=True):
   return lines
 
 
-def write_report(folder, text, payload, found):
-  """results.md (`text`) and results.json (`payload` with each run's
-  measures from `found`) in `folder`."""
-  os.makedirs(folder, exist_ok=True)
-  files.atomic_write(os.path.join(folder, "results.md"), text)
-  payload = dict(payload, runs={v: {str(s): {str(e): m for e, m in per.items()}
-                                    for s, per in seeds.items()}
-                                for v, seeds in found.items()})
-  files.atomic_write(os.path.join(folder, "results.json"),
-                     json.dumps(payload, indent=1, sort_keys=True) + "\n")
+def write_report(folder, text, protocol, final, found, table, details):
+  """results.md (`text`) and results.json (`study_report.write_results`):
+  each run's measures at its kept epochs from `found`, the comparisons of
+  `table` (`compare`'s) at each epoch, and `details`."""
+  run_records = [{"run": study_report.run_name(v, s), "variant": v, "seed": s,
+                  "epochs": {str(e): m for e, m in per.items()}}
+                 for v, seeds in found.items() for s, per in seeds.items()]
+  comparisons = [{"a": a, "b": b, "measure": key, "epoch": e, **d}
+                 for (a, b), per_m in table.items() for key, per in per_m.items()
+                 for e, d in per.items()]
+  study_report.write_results(folder, text, protocol, final, run_records, comparisons,
+                             details)
 
 
 def seeds_of(found):

@@ -12,7 +12,6 @@ import datetime
 import hashlib
 import importlib.metadata
 import itertools
-import json
 import os
 import platform
 import re
@@ -746,8 +745,9 @@ def progress_report(protocol, out, complete, folder):
       continue
     rows.append([position, name, state, host_kind(record),
                  ", ".join(k + (f" ({why})" if why else "") for k, why in kinds)])
-    payload_runs.append({"position": position, "run": name, "state": state,
-                         "host": host_kind(record), "attempts": [list(k) for k in kinds]})
+    payload_runs.append({"run": name, "variant": run[1], "seed": run[0],
+                         "position": position, "state": state, "host": host_kind(record),
+                         "attempts": [list(k) for k in kinds]})
   n_done, n_runs = len(done), len(sequence(protocol))
   lines = [f"# {protocol.title}: interim, {n_done} of {n_runs} runs, {len(complete)} of "
            f"{len(protocol.seeds)} blocks complete", "",
@@ -758,12 +758,9 @@ def progress_report(protocol, out, complete, folder):
            f"{len(stops)}.", ""]
   lines += study_report.table(["#", "run", "state", "host", "attempts"], rows)
   text = "\n".join(lines) + "\n"
-  os.makedirs(folder, exist_ok=True)
-  files.atomic_write(os.path.join(folder, "results.md"), text)
-  files.atomic_write(os.path.join(folder, "results.json"), json.dumps(
-      {"title": protocol.title, "final": False, "runs_done": n_done, "runs": payload_runs,
-       "blocks_complete": complete, "partway_stops": len(stops),
-       "next_due": folder_name(due) if due else None}, indent=1, sort_keys=True) + "\n")
+  study_report.write_results(folder, text, protocol, False, payload_runs, (), {
+      "runs_done": n_done, "blocks_complete": complete, "partway_stops": len(stops),
+      "next_due": folder_name(due) if due else None})
   picture = os.path.join(folder, f"{protocol.name}.png")
   if os.path.exists(picture):
     os.remove(picture)

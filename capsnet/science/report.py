@@ -5,6 +5,7 @@ folder with results.md and results.json. A `protocols.Protocol` says how it is s
 import contextlib
 import dataclasses
 import io
+import json
 import os
 import statistics
 
@@ -521,20 +522,40 @@ def plot_sweep(rows, shipped, path):
 MULTIMNIST_PAPER = (5.2, "paper: 5.2% test error after 60M pairs")
 
 
-def report(rows, folder, grid, comparisons=(), shipped=(), descriptive=()):
-  """results.md, results.json ({"rows", "comparisons"}) and the plots in
-  `folder`; for a `grid` whose runs are
-  scored on the affine sets also affine.png (affine error per variant and
-  block) and, where swept, affine_sweep.png (beside the `shipped` weights'
-  sweep)."""
+def write_results(folder, text, protocol, final, run_records, comparisons=(), details=None):
+  """results.md (`text`) and results.json in `folder`. results.json has one
+  shape for every study: {"protocol", "title", "final" (every registered run
+  in), "runs" (a record a run: "run", "variant", "seed" and its figures),
+  "comparisons" (a record a pair, measure and point: "a", "b", "measure", the
+  epoch or decay period, and the paired difference), "details" (what the
+  protocol's report adds)}."""
   os.makedirs(folder, exist_ok=True)
+  files.atomic_write(os.path.join(folder, "results.md"), text)
+  payload = {"protocol": protocol.name, "title": protocol.title, "final": bool(final),
+             "runs": list(run_records), "comparisons": list(comparisons),
+             "details": details or {}}
+  files.atomic_write(os.path.join(folder, "results.json"),
+                     json.dumps(payload, indent=1, sort_keys=True) + "\n")
+
+
+def report(rows, folder, grid, comparisons=(), shipped=(), descriptive=()):
+  """results.md, results.json (`write_results`: each run's figures, each
+  comparison by measure, the rows per variant in "details") and the plots in
+  `folder`; for a `grid` whose runs are scored on the affine sets also
+  affine.png (affine error per variant and block) and, where swept,
+  affine_sweep.png (beside the `shipped` weights' sweep)."""
   table = markdown(rows, grid, comparisons, descriptive)
   if shipped:
     table += ("\nThe shipped weights (pretrained/r3_recon, 50 epochs), same sweep: "
               + ", ".join(f"{d:g}°: {e:.2f}" for d, e in shipped) + "\n")
-  files.atomic_write(os.path.join(folder, "results.md"), table)
-  files.write_json(os.path.join(folder, "results.json"),
-                   {"rows": rows, "comparisons": list(comparisons)})
+  run_records = [dict(x, variant=r["variant"], decay_steps=r["decay_steps"])
+                 for r in rows for x in r["runs"]]
+  by_measure = [{"a": c["a"], "b": c["b"], "decay_steps": c["decay_steps"], "measure": key,
+                 **(d or {})} for c in comparisons for key, d in c.items()
+                if key not in ("a", "b", "decay_steps")]
+  write_results(folder, table, grid, run_records and all(x["complete"] for x in run_records),
+                run_records, by_measure,
+                {"rows": [{k: v for k, v in r.items() if k != "runs"} for r in rows]})
   if rows:
     x, reference = ("pairs", MULTIMNIST_PAPER) if _multimnist(rows) else ("epoch", None)
     plot(rows, os.path.join(folder, "val_error.png"), grid.title, x=x, reference=reference)

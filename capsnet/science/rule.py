@@ -282,13 +282,13 @@ def report(out, protocol, folder):
           out, [registered.folder_name(r) for r in registered.sequence(protocol)]))
   text = markdown(found, protocol, decision, facts, pooled, pilot_done, by_kind, partial,
                   descriptive.markdown_lines(added, primary[2], rule["epoch"]))
-  payload = {"title": protocol.title, "final": final, "blocks": done,
-             "incomplete_blocks": partial, "registered_seeds": list(protocol.seeds),
-             "kept_epochs": list(protocol.kept), "decision": decision,
-             "pilot_blocks": pilot_done,
+  details = {"blocks": done, "incomplete_blocks": partial,
+             "registered_seeds": list(protocol.seeds), "kept_epochs": list(protocol.kept),
+             "decision": decision, "pilot_blocks": pilot_done,
              "pooled": [{"a": a, "b": b, **(d or {})} for (a, b, _), d in pooled],
              "by_host_kind": [{"kind": k, "blocks": s, **(d or {})} for k, s, d in by_kind],
              "block_facts": {str(s): f for s, f in facts.items()}, "descriptive": added}
-  blocks.write_report(folder, text, payload, found)
+  blocks.write_report(folder, text, protocol, final, found,
+                      blocks.compare(found, protocol)[0], details)
   plot(found, protocol, decision, os.path.join(folder, f"{protocol.name}.png"))
   return text
