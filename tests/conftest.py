@@ -295,3 +295,17 @@ def assert_same_decision(ours, theirs):
       assert_same_decision(a, b)
   else:
     assert type(ours) is type(theirs) and ours == theirs
+
+
+def stop_once_saved(cmd, run_folder, **popen):
+  """Starts `cmd`, sends it one SIGTERM once `run_folder` holds a latest/
+  checkpoint (or the command has ended); returns (its exit status, its output)."""
+  import signal  # noqa: PLC0415
+  proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          **popen)
+  for _ in range(1200):
+    if os.path.isdir(os.path.join(run_folder, "latest")) or proc.poll() is not None:
+      break
+    time.sleep(0.25)
+  proc.send_signal(signal.SIGTERM)
+  return proc.wait(timeout=300), proc.communicate()[0]

@@ -7,11 +7,9 @@ import json
 import math
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tarfile
-import time
 
 import numpy as np
 import pytest
@@ -27,6 +25,7 @@ from conftest import ROOT
 from conftest import SMALL
 from conftest import assert_same_decision
 from conftest import needs_mnist
+from conftest import stop_once_saved
 
 CONFIRM = protocols.CONFIRM
 KEPT = CONFIRM.kept
@@ -315,15 +314,8 @@ def test_runs_end_to_end_on_a_small_model_stopped_and_resumed(tmp_path):
                         timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert f"confirm: run 1 of 48, {first}: start" in proc.stdout
-  stopped = subprocess.Popen(command(32000), env=env, cwd=ROOT, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True)
-  for _ in range(600):   # until it has saved a checkpoint
-    if (out / second / "latest").is_dir() or stopped.poll() is not None:
-      break
-    time.sleep(0.5)
-  stopped.send_signal(signal.SIGTERM)
-  said = stopped.communicate(timeout=300)[0]
-  assert stopped.returncode == 143, said[-3000:]
+  status, said = stop_once_saved(command(32000), str(out / second), env=env, cwd=ROOT)
+  assert status == 143, said[-3000:]
   rows = registered.partway_rows(str(pub))
   assert [r["run"] for r in rows] == [second] and rows[0]["step"] > 0, rows
   assert len(rows[0]["digest"]) == 64 and rows[0]["why"].startswith("stopped by SIGTERM")

@@ -10,10 +10,8 @@ import json
 import os
 import platform
 import shutil
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -115,16 +113,10 @@ def test_a_protocol_declared_here_runs_end_to_end_on_the_runner(tmp_path):
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert f"tiny: run 1 of 4, {names[0]}: start" in proc.stdout
   # The next run, stopped by one SIGTERM once it has saved a checkpoint.
+  from conftest import stop_once_saved  # noqa: PLC0415 (the declaration stays light)
   cmd, env, cwd = command(repo, *where)
-  stopped = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True)
-  for _ in range(1200):
-    if (out / names[1] / "latest").is_dir() or stopped.poll() is not None:
-      break
-    time.sleep(0.1)
-  stopped.send_signal(signal.SIGTERM)
-  said = stopped.communicate(timeout=300)[0]
-  assert stopped.returncode == 143, said[-3000:]
+  status, said = stop_once_saved(cmd, str(out / names[1]), env=env, cwd=cwd)
+  assert status == 143, said[-3000:]
   stops = registered.partway_rows(str(pub))
   assert [r["run"] for r in stops] == [names[1]] and len(stops[0]["digest"]) == 64
   # The resume, then the runs left; each scored on the test set alone.
