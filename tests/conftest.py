@@ -308,4 +308,5 @@ def stop_once_saved(cmd, run_folder, **popen):
       break
     time.sleep(0.25)
   proc.send_signal(signal.SIGTERM)
-  return proc.wait(timeout=300), proc.communicate()[0]
+  said = proc.communicate(timeout=300)[0]   # read while it ends: a full pipe never blocks it
+  return proc.returncode, said
