@@ -18,8 +18,7 @@ EPYC = {"cpu": "AMD EPYC", "cpu_id": "AuthenticAMD family 25 model 1"}
 
 
 def run(wrong, val_wrong=30, identity=None):
-  return descriptive.Run(frozenset(wrong), 10000, val_wrong, 5000, identity or dict(EPYC),
-                         {})
+  return descriptive.Run(frozenset(wrong), 10000, val_wrong, 5000, identity or dict(EPYC))
 
 
 def blocks_of(per_block):

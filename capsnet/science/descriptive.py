@@ -37,7 +37,6 @@ class Run:
   val_wrong: int            # misclassified validation images at the epoch's end
   val_count: int            # validation images
   identity: dict            # the host identity of its (first kept) attempt
-  record: dict              # host.json
 
 
 def read_run(folder, epoch):
@@ -54,10 +53,10 @@ def read_run(folder, epoch):
   if val is None or not val_count:
     raise runs.RunError(f"{folder}: no validation error at epoch {epoch} (metrics.jsonl) "
                         "or no val_size (config.json)")
-  record = run.read_json(runs.HOST_FILE) or {}
-  attempts = record.get("attempts") or [{}]
+  history = registered.History.read(folder)
+  first = history.attempts[0] if history.attempts else {}
   return Run(frozenset(test["wrong"]), test["count"], round(val * val_count / 100),
-             val_count, attempts[0].get("identity") or record.get("started") or {}, record)
+             val_count, first.get("identity") or history.started)
 
 
 def read_blocks(out, seeds, variants, epoch):
