@@ -60,7 +60,7 @@ def main(argv):
     if FLAGS.train:
       blocks.run_blocks(FLAGS.out, seeds, protocol, publish, extra)
     found = blocks.collect(FLAGS.out, seeds, protocol)
-    if not found:
+    if not found.runs:
       sys.exit(f"along: error: {FLAGS.out}: no scored run of the protocol for seeds "
                f"{seeds.start}-{seeds.stop - 1} (expected <variant>_seed<k>/ folders "
                f"with {blocks.RESULTS_FILE}: {', '.join(ALONG.variants)})")

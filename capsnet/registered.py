@@ -91,8 +91,7 @@ def main(argv, declared=None):
     if pilot is None:
       sys.exit(f"{name}: error: --power: the protocol names no pilot")
     try:
-      _, pilot_found = blocks.complete_blocks(blocks.collect(folder, pilot.seeds, protocol),
-                                              protocol)
+      _, pilot_found = blocks.collect(folder, pilot.seeds, protocol).complete(protocol)
       print("\n".join(rule.power_lines(pilot_found, protocol)))
     except (ValueError, runs.RunError) as e:
       sys.exit(f"{name}: error: {folder}: {e}")

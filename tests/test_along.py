@@ -65,7 +65,7 @@ def block_runs(tmp_path):
 
 def test_the_rule_by_hand_and_a_called_reversal(block_runs):
   found = blocks.collect(block_runs, range(5), ALONG)
-  assert blocks.blocks_done(found, ALONG) == [0, 1, 2, 3, 4]
+  assert found.complete(ALONG)[0] == [0, 1, 2, 3, 4]
   table, reversals = blocks.compare(found, ALONG)
   stop = table[("r3_recon", "r3_recon_nostop")]["test_margin_loss"]
   for epoch in (1, 5, 10):
@@ -86,15 +86,15 @@ def test_the_rule_by_hand_and_a_called_reversal(block_runs):
   assert all(d["mean"] == 0 and not d["called"] for d in same.values())
   # The training loss comes from the epoch's row; the gradient share from the
   # epoch's last diagnostic (step 2,100 for epoch 5's end at 2,145).
-  assert found["r1_recon"][3][5]["train_loss"] == pytest.approx(0.1 / 5 + 0.003)
-  assert found["r3_recon"][3][5]["grad_share"] == pytest.approx(0.21 + 0.03)
-  assert found["r1_recon"][3][5]["grad_share"] == 0.0
+  assert found.runs[("r1_recon", 3)][5]["train_loss"] == pytest.approx(0.1 / 5 + 0.003)
+  assert found.runs[("r3_recon", 3)][5]["grad_share"] == pytest.approx(0.21 + 0.03)
+  assert found.runs[("r1_recon", 3)][5]["grad_share"] == 0.0
 
 
 def test_no_reversal_when_calls_agree(block_runs):
   found = blocks.collect(block_runs, range(5), ALONG)
-  for seeds in found["r3_recon_nostop"].values():
-    seeds[1]["test_margin_loss"] += 0.01   # epoch 1 now on the same side as 5, 10
+  for seed in found.seeds:   # epoch 1 now on the same side as 5, 10
+    found.runs[("r3_recon_nostop", seed)][1]["test_margin_loss"] += 0.01
   _, reversals = blocks.compare(found, ALONG)
   assert reversals == []
 
@@ -163,7 +163,7 @@ def test_a_blocks_command_publishes_the_report_of_every_published_block(block_ru
 def test_fewer_blocks_are_interim(block_runs):
   found = blocks.collect(block_runs, range(3), ALONG)
   table, reversals = blocks.compare(found, ALONG)
-  text = along.markdown(found, table, reversals, ALONG, len(blocks.blocks_done(found, ALONG)))
+  text = along.markdown(found, table, reversals, ALONG, len(found.complete(ALONG)[0]))
   assert "3 block(s) (seeds 0, 1, 2): **interim**" in text
 
 

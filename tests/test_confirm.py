@@ -47,11 +47,11 @@ def errors(r1, r3, nostop, spread=1.0):
 
 
 def found_of(errs, seeds=SEEDS):
-  """`blocks.collect`'s shape: {variant: {seed: {epoch: {measure: value}}}}."""
-  return {v: {s: {e: {"test_error": x + 0.1 * (10 - e), "test_margin_loss": 0.01,
-                      "affine_error": 2.0, "train_loss": 0.01}
-                  for e in KEPT} for s, x in per.items() if s in seeds}
-          for v, per in errs.items()}
+  """The `blocks.Scores` of runs with test errors `errs` at epoch 10."""
+  return blocks.Scores({(v, s): {e: {"test_error": x + 0.1 * (10 - e),
+                                     "test_margin_loss": 0.01, "affine_error": 2.0,
+                                     "train_loss": 0.01} for e in KEPT}
+                        for v, per in errs.items() for s, x in per.items() if s in seeds})
 
 
 def test_power_matches_published_values_and_a_simulation():
@@ -83,8 +83,7 @@ def test_holm_steps_down_and_stops_at_the_first_kept_hypothesis():
 
 def test_the_registered_power_from_the_committed_pilot():
   pilot_protocol, pilot_folder = rule.pilot_of(CONFIRM)
-  _, pilot = blocks.complete_blocks(blocks.collect(pilot_folder, pilot_protocol.seeds,
-                                                   CONFIRM), CONFIRM)
+  _, pilot = blocks.collect(pilot_folder, pilot_protocol.seeds, CONFIRM).complete(CONFIRM)
   lines = rule.power_lines(pilot, CONFIRM)
   assert lines[0].endswith("mean +0.072, sd 0.0785")
   assert lines[1].startswith("the smallest n with power >= 0.80 to call 0.06 points "

@@ -356,8 +356,8 @@ def test_short_protocol_tables_compare_its_three_measures(tmp_path):
   rows = report.summarize(out, grids.GRIDS["short"], ["r3_recon", "r3_recon_nostop"],
                           range(3), 5, (14,))
   stop, nostop = rows
-  np.testing.assert_allclose(stop["measures"]["affine_error"]["values"], [3.0, 3.2, 3.1])
-  assert stop["measures"]["test_margin_loss"]["mean"] == pytest.approx(0.0205)
+  np.testing.assert_allclose(stop["spreads"]["affine_error"]["values"], [3.0, 3.2, 3.1])
+  assert stop["spreads"]["test_margin_loss"]["mean"] == pytest.approx(0.0205)
   pairs = grids.parse_pairs(["r3_recon:r3_recon_nostop"], grids.GRIDS["short"].variants)
   comparisons = report.compare(rows, pairs, protocols.SHORT_MEASURES)
   (c,) = comparisons

@@ -16,7 +16,7 @@ def markdown(found, table, reversals, protocol, done, partial=()):
                  for d in per.values() if d["called"])
   final = done >= len(protocol.seeds)
   lines = [f"# {protocol.title}", "",
-           f"{done} block(s) (seeds {', '.join(map(str, sorted(blocks.seeds_of(found))))})"
+           f"{done} block(s) (seeds {', '.join(map(str, found.seeds))})"
            + ("" if final else ": **interim**, the rule judges "
               f"{study_report.in_words(len(protocol.seeds))} blocks") + "."
            + blocks.partial_note(partial),
@@ -47,14 +47,13 @@ def markdown(found, table, reversals, protocol, done, partial=()):
              ("max_c", ".4f", "mean largest coupling, last iteration"),
              ("grad_share", ".3f", "share of W's gradient through the couplings"))
   def row(variant, epoch):
-    ms = [m[epoch] for m in found.get(variant, {}).values() if epoch in m]
+    ms = found.at(variant, epoch).values()
     means = [[m[k] for m in ms if m.get(k) is not None] for k, _, _ in columns]
     return [variant, epoch, *(format(sum(v) / len(v), spec) if v else ""
                               for v, (_, spec, _) in zip(means, columns, strict=True))]
   lines += study_report.table(
       ["variant", "epoch", *(what for _, _, what in columns)],
-      [row(v, e) for v in protocol.variants for e in protocol.kept
-       if any(e in m for m in found.get(v, {}).values())])
+      [row(v, e) for v in protocol.variants for e in protocol.kept if found.at(v, e)])
   return "\n".join(lines) + "\n"
 
 
@@ -73,8 +72,8 @@ def plot(table, protocol, path):
 
 def report(found, protocol, folder):
   """results.md, results.json and along.png into `folder`. Returns the markdown."""
-  done, complete = blocks.complete_blocks(found, protocol)
-  partial = sorted(blocks.seeds_of(found) - set(done))
+  done, complete = found.complete(protocol)
+  partial = sorted(set(found.seeds) - set(done))
   found = complete
   table, reversals = blocks.compare(found, protocol)
   text = markdown(found, table, reversals, protocol, len(done), partial)

@@ -3,6 +3,7 @@ share: a block is one seed's run of each variant of a `protocols.Protocol`,
 trained on its schedule, the weights kept at its kept epochs each scored once
 on the test and affine sets; each run's figures from its files, the paired
 differences of its pairs and measures, and the pieces of a block report."""
+import dataclasses
 import os
 
 from capsnet.running import runs
@@ -82,7 +83,43 @@ def run_blocks(out, seeds, protocol, publish, extra=()):
           os.path.join(publish, os.path.basename(folder)), SMALL_FILES)
 
 
-def measures(folder, kept):
+@dataclasses.dataclass(frozen=True)
+class Scores:
+  """The measures of a protocol's runs at their scored kept epochs:
+  `runs[(variant, seed)] = {epoch: {measure: value}}`, a run's epochs those
+  it has reached and scored."""
+  runs: dict = dataclasses.field(default_factory=dict)
+
+  @property
+  def seeds(self):
+    return sorted({seed for _, seed in self.runs})
+
+  def at(self, variant, epoch):
+    """{seed: {measure: value}} of the variant's runs scored at `epoch`."""
+    return {s: per[epoch] for (v, s), per in self.runs.items() if v == variant and epoch in per}
+
+  def figures(self, variant, epoch, measure):
+    """{seed: the `measure` at `epoch`} of the variant's runs that reached it."""
+    return {s: m[measure] for s, m in self.at(variant, epoch).items()}
+
+  def of(self, seeds):
+    """These scores of the runs of `seeds` alone."""
+    return Scores({k: per for k, per in self.runs.items() if k[1] in seeds})
+
+  def complete(self, protocol):
+    """(the seeds of the complete blocks, their scores alone): a block is
+    complete when its run of every variant is scored at every kept epoch (an
+    incomplete one, a sitting that ended first, is left out)."""
+    done = [s for s in self.seeds if all(set(protocol.kept) <= set(self.runs.get((v, s), {}))
+                                         for v in protocol.variants)]
+    return done, self.of(done)
+
+  def __or__(self, other):
+    """Both scores; a run in both is `other`'s."""
+    return Scores({**self.runs, **other.runs})
+
+
+def run_scores(folder, kept):
   """{epoch: {measure: value}} of one run's files (an epoch not scored yet,
   or not trained yet, is left out); {} if the folder has no run."""
   results = scored(folder)
@@ -122,40 +159,34 @@ def published_seeds(folder, variants):
 
 
 def with_published(found, publish, protocol):
-  """`found` (this command's runs) beside the runs of the other seeds in
+  """`found` (this command's `Scores`) beside the runs of the other seeds in
   `publish`: a seed's block comes whole from one folder, never mixed."""
-  here = {seed for per in found.values() for seed in per}
-  merged = collect(publish, [s for s in published_seeds(publish, protocol.variants)
-                             if s not in here], protocol)
-  for variant, per in found.items():
-    merged.setdefault(variant, {}).update(per)
-  return merged
+  others = [s for s in published_seeds(publish, protocol.variants) if s not in found.seeds]
+  return collect(publish, others, protocol) | found
 
 
 def collect(out, seeds, protocol):
-  """{variant: {seed: measures(...)}} over the protocol's runs found in `out`."""
+  """The `Scores` of the protocol's runs of `seeds` found in `out`."""
   found = {}
   for variant in protocol.variants:
     for seed in seeds:
       folder = study_report.run_dir(out, variant, seed)
-      if os.path.isdir(folder):
-        m = measures(folder, protocol.kept)
-        if m:
-          found.setdefault(variant, {})[seed] = m
-  return found
+      scores = run_scores(folder, protocol.kept) if os.path.isdir(folder) else {}
+      if scores:
+        found[(variant, seed)] = scores
+  return Scores(found)
 
 
 def compare(found, protocol):
-  """The protocol's pairs and measures at its kept epochs: {(a, b): {measure:
-  {epoch: stats.paired_difference}}}, and the reversals [(a, b, measure,
-  earlier epoch, later epoch)]."""
+  """The protocol's pairs and measures at its kept epochs (`found`: `Scores`):
+  {(a, b): {measure: {epoch: stats.paired_difference}}}, and the reversals
+  [(a, b, measure, earlier epoch, later epoch)]."""
   table, reversals = {}, []
   for a, b, _ in protocol.pairs:
     for key, _, _ in protocol.measures:
       per_epoch = {}
       for epoch in protocol.kept:
-        d = stats.paired_difference(figures(found, a, epoch, key),
-                                    figures(found, b, epoch, key))
+        d = stats.paired_difference(found.figures(a, epoch, key), found.figures(b, epoch, key))
         if d is not None:
           per_epoch[epoch] = d
       table.setdefault((a, b), {})[key] = per_epoch
@@ -166,11 +197,6 @@ def compare(found, protocol):
           reversals.append((a, b, key, early, later))
           break
   return table, reversals
-
-
-def figures(found, variant, epoch, key):
-  """{seed: the measure `key` at `epoch`} of the variant's runs that reached it."""
-  return {s: m[epoch][key] for s, m in found.get(variant, {}).items() if epoch in m}
 
 
 def partial_note(partial):
@@ -197,38 +223,16 @@ def write_report(folder, text, protocol, final, found, table, details):
   """results.md (`text`) and results.json (`study_report.write_results`):
   each run's measures at its kept epochs from `found`, the comparisons of
   `table` (`compare`'s) at each epoch, and `details`."""
+  order = list(protocol.variants)
   run_records = [{"run": study_report.run_name(v, s), "variant": v, "seed": s,
                   "epochs": {str(e): m for e, m in per.items()}}
-                 for v, seeds in found.items() for s, per in seeds.items()]
+                 for (v, s), per in sorted(found.runs.items(),
+                                           key=lambda item: (order.index(item[0][0]), item[0][1]))]
   comparisons = [{"a": a, "b": b, "measure": key, "epoch": e, **d}
                  for (a, b), per_m in table.items() for key, per in per_m.items()
                  for e, d in per.items()]
   study_report.write_results(folder, text, protocol, final, run_records, comparisons,
                              details)
-
-
-def seeds_of(found):
-  return {s for per in found.values() for s in per}
-
-
-def blocks_done(found, protocol):
-  """Seeds whose runs of every variant are scored at every kept epoch."""
-  return sorted(s for s in seeds_of(found)
-                if all(set(protocol.kept) <= set(found.get(v, {}).get(s, {}))
-                       for v in protocol.variants))
-
-
-def only_seeds(found, seeds):
-  """`found` ({variant: {seed: ...}}) with the runs of `seeds` alone."""
-  return {v: {s: m for s, m in per.items() if s in seeds} for v, per in found.items()}
-
-
-def complete_blocks(found, protocol):
-  """(the seeds of the complete blocks, `found` with their runs alone): a
-  block is its runs, each scored at every kept epoch; the runs of an
-  incomplete one (a sitting that ended first) are left out."""
-  done = blocks_done(found, protocol)
-  return done, only_seeds(found, done)
 
 
 def epoch_band(ax, per, kept, band_label=None, **line):

@@ -156,13 +156,13 @@ Where = collections.namedtuple("Where", [
     "shipped"])  # the shipped weights, scored once on the affine sweep, or ""
 
 
-def run_grid(grid, variants, seeds, schedules, settings, extra, pairs, sweep, where):
+def run_grid(protocol, variants, seeds, schedules, settings, extra, pairs, sweep, where):
   """Trains and scores what is missing, then reports (`main`'s checked flags)."""
   out, epochs = where.out, settings["epochs"]
   os.makedirs(out, exist_ok=True)
   for seed, decay_steps, name in ((s, d, n) for s in seeds for d in schedules
                                   for n in variants):
-    folder, spec = report.run_dir(out, name, seed, decay_steps), grid.variants[name]
+    folder, spec = report.run_dir(out, name, seed, decay_steps), protocol.variants[name]
     if report.is_complete(folder, epochs):
       print(f"{os.path.basename(folder)}: complete, skipped")
     elif where.train:
@@ -174,23 +174,23 @@ def run_grid(grid, variants, seeds, schedules, settings, extra, pairs, sweep, wh
         and runs.RunFolder(folder).read_json(runs.ROUTING_FILE) is None):
       print(f"{os.path.basename(folder)}: measuring routing", flush=True)
       measure_routing(folder, spec["iter_routing"])
-    if (grid.affine and sweep and scored
+    if (protocol.scores_affine and sweep and scored
         and runs.RunFolder(folder).read_json(runs.AFFINE_RESULTS_FILE) is None):
       print(f"{os.path.basename(folder)}: scoring the affine test set", flush=True)
       measure_affine(folder, sweep)
   shipped = os.path.join(out, report.SHIPPED)
-  if (grid.affine and sweep and where.shipped
+  if (protocol.scores_affine and sweep and where.shipped
       and runs.RunFolder(shipped).read_json(runs.AFFINE_RESULTS_FILE) is None):
     print(f"{where.shipped}: scoring the affine test set", flush=True)
     os.makedirs(shipped, exist_ok=True)
     measure_affine(where.shipped, sweep, shipped)
-  rows = report.summarize(out, grid, variants, seeds, epochs, schedules)
-  comparisons = report.compare(rows, pairs, grid.measures)
-  descriptive = report.compare(rows, pairs, grid.descriptive) if grid.descriptive else ()
+  rows = report.summarize(out, protocol, variants, seeds, epochs, schedules)
+  comparisons = report.compare(rows, pairs, protocol.measures)
+  descriptive = report.compare(rows, pairs, protocol.descriptive) if protocol.descriptive else ()
   reference = report.shipped_sweep(out)
-  table = report.report(rows, out, grid, comparisons, reference, descriptive)
+  table = report.report(rows, out, protocol, comparisons, reference, descriptive)
   if where.publish:
-    report.report(rows, where.publish, grid, comparisons, reference, descriptive)
+    report.report(rows, where.publish, protocol, comparisons, reference, descriptive)
     report.publish(out, rows, where.publish)
     if reference:   # (its affine_results.json)
       runs.RunFolder(shipped).copy_small_files(os.path.join(where.publish, report.SHIPPED))

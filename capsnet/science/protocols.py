@@ -59,8 +59,6 @@ class Protocol:
   precision: str = ""       # the one precision of every run ("": the user's)
   rule: dict = dataclasses.field(default_factory=dict)   # the decision rule's figures
   unit: str = "seed"        # what pairs two runs: a seed, or a block (of seeds)
-  affine: bool = False      # finished runs scored on the affine sets: their
-                            # table of the measures and affine.png
   descriptive: tuple = ()   # compared beside the measures, not part of a rule
   note: str = ""            # after the comparisons' heading
   within: bool = False      # an interval that holds zero reads "within [lo, hi]"
@@ -75,6 +73,12 @@ class Protocol:
   def schedules(self):
     """Every decay period its runs are trained at, the paper's first."""
     return (self.decay_steps, *self.other_decays)
+
+  @property
+  def scores_affine(self):
+    """Whether a measure is the affine-test error: its runs are then scored
+    on the affine test set (a grid's: each best checkpoint, with the sweep)."""
+    return any(key == "affine_error" for key, _, _ in self.measures)
 
   @property
   def test_sets(self):
@@ -115,7 +119,7 @@ TABLE1 = Protocol("table1", "CapsNet on MNIST: the rows of Table 1", {
 SHORT = Protocol("short", "CapsNet on MNIST: the short protocol (5 epochs)", STOP_VARIANTS,
                  measures=SHORT_MEASURES, seeds=tuple(range(5)), epochs=5, decay_steps=14,
                  pairs=STOP_PAIRS,
-                 unit="block", affine=True, descriptive=SELECTION_FREE, within=True,
+                 unit="block", descriptive=SELECTION_FREE, within=True,
                  note=" (nine intervals at 95% each, not corrected for multiplicity)")
 
 # docs/along.md: the question along training, no checkpoint selection.

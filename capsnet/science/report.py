@@ -125,28 +125,29 @@ def _better_weights(rows):
           < figures("val_error_percent") else "raw")
 
 
-def summarize(out, grid, variants, seeds, epochs, schedules=(schedule.DECAY_STEPS,)):
-  """A dict per (variant of `grid`, decay period of `schedules`) with an epoch
+def summarize(out, protocol, variants, seeds, epochs, schedules=(schedule.DECAY_STEPS,)):
+  """A dict per (variant of `protocol`, decay period of `schedules`) with an epoch
   done: its runs of `seeds` (`describe_run`) and, over the complete ones, the
   mean and (two or more) sample standard deviation of the test error and of the
   last 10 epochs' mean validation error."""
   rows = []
   for name, decay_steps in ((n, d) for n in variants for d in schedules):
-    runs = [describe_run(run_dir(out, name, s, decay_steps), epochs) for s in seeds]
-    runs = [dict(r, seed=s) for s, r in zip(seeds, runs, strict=True) if r is not None]
-    if not runs:
+    described = [describe_run(run_dir(out, name, s, decay_steps), epochs) for s in seeds]
+    described = [dict(r, seed=s) for s, r in zip(seeds, described, strict=True)
+                 if r is not None]
+    if not described:
       continue
-    done = [r for r in runs if r["complete"]]
+    done = [r for r in described if r["complete"]]
     tests = [r["test_error"] for r in done]
-    vals = [r["best_val_error"] for r in runs if r["best_val_error"] is not None]
+    vals = [r["best_val_error"] for r in described if r["best_val_error"] is not None]
     lasts = [r["last_val_error"] for r in done if r["last_val_error"] is not None]
-    spec = grid.variants[name]
+    spec = protocol.variants[name]
     rows.append({
         "variant": name, "dataset": spec.get("dataset", tasks.DEFAULT),
         "iter_routing": spec["iter_routing"],
         "stop_gradient": spec.get("stop_gradient", True),
         "use_decoder": spec.get("use_decoder", True), "decay_steps": decay_steps,
-        "epochs": epochs, "seeds": len(done), "runs": runs,
+        "epochs": epochs, "seeds": len(done), "runs": described,
         "test_errors": tests,
         "test_error_mean": statistics.mean(tests) if tests else None,
         "test_error_std": statistics.stdev(tests) if len(tests) > 1 else None,
@@ -154,13 +155,13 @@ def summarize(out, grid, variants, seeds, epochs, schedules=(schedule.DECAY_STEP
         "last_val_errors": lasts,
         "last_val_error_mean": statistics.mean(lasts) if lasts else None,
         "last_val_error_std": statistics.stdev(lasts) if len(lasts) > 1 else None,
-        "images_per_sec": statistics.mean(r["images_per_sec"] for r in runs),
-        "measures": {key: _spread([r[key] for r in done]) for key in SUMMARIZED},
-        "diag": {key: tuple(mean_or_none(r["diag"][key][i] for r in runs)
+        "images_per_sec": statistics.mean(r["images_per_sec"] for r in described),
+        "spreads": {key: _spread([r[key] for r in done]) for key in SUMMARIZED},
+        "diag": {key: tuple(mean_or_none(r["diag"][key][i] for r in described)
                             for i in (0, 1))
                  for key in ("digit_caps/weights", "conv1/weights")},
-        "curves": [r["curve"] for r in runs],
-        "images_curves": [r["images_curve"] for r in runs]})
+        "curves": [r["curve"] for r in described],
+        "images_curves": [r["images_curve"] for r in described]})
   return rows
 
 
@@ -215,9 +216,9 @@ def _duration(seconds):
   return f"{h} h {m:02d} min" if h else f"{m} min"
 
 
-def markdown(rows, grid, comparisons=(), descriptive=()):
+def markdown(rows, protocol, comparisons=(), descriptive=()):
   """The study's tables: one line per variant, one per run, then the paired
-  comparisons (of the `grid`'s measures; `descriptive`: of its descriptive
+  comparisons (of the `protocol`'s measures; `descriptive`: of its descriptive
   figures, with where the best-checkpoint ties fell) and, where measured,
   how far routing moves the couplings."""
   def variant(r):
@@ -250,9 +251,9 @@ def markdown(rows, grid, comparisons=(), descriptive=()):
        "best val error %", "images/s", "training wall time"]
       + (["training pairs seen", "test: at least one right %"] if multi else []),
       [run(x) for r in rows for x in r["runs"]])
-  seed_table = _short_table(rows) if grid.affine else _seed_table(rows)
-  lines += (seed_table + _comparison_table(comparisons, grid)
-            + _selection_table(rows, grid, descriptive) + _routing_table(rows)
+  seed_table = _short_table(rows) if protocol.scores_affine else _seed_table(rows)
+  lines += (seed_table + _comparison_table(comparisons, protocol)
+            + _selection_table(rows, protocol, descriptive) + _routing_table(rows)
             + _affine_table(rows))
   return "\n".join(lines) + "\n"
 
@@ -290,7 +291,7 @@ def _short_table(rows):
     cells = [r["variant"], len(done)]
     for key, spec in (("test_error", ".2f"), ("test_margin_loss", ".5f"),
                       ("affine_error", ".2f")):
-      m = r["measures"][key]
+      m = r["spreads"][key]
       cells.append(_fmt(m["mean"], spec) + ("" if m["std"] is None
                                              else f" ± {format(m['std'], spec)}"))
       cells.append(", ".join(f"{_fmt(x[key], spec)} ({x['seed']})" for x in done) or "–")
@@ -315,8 +316,8 @@ def _affine_table(rows):
 
 
 # The format of a figure's differences (the others: +.3f).
-def _selection_table(rows, grid, descriptive):
-  """Where the best-checkpoint ties fell, and the `grid`'s descriptive
+def _selection_table(rows, protocol, descriptive):
+  """Where the best-checkpoint ties fell, and the `protocol`'s descriptive
   figures' paired comparisons (`descriptive`); [] without them."""
   if not descriptive:
     return []
@@ -331,33 +332,33 @@ def _selection_table(rows, grid, descriptive):
                  ", ".join(map(str, x["tied_steps"])) if len(x["tied_steps"]) > 1 else "none",
                  _fmt(x["last_val_loss"], ".5f")] for r in rows for x in r["runs"]])
   return lines + _comparison_table(descriptive, dataclasses.replace(
-      grid, measures=grid.descriptive, note=""))
+      protocol, measures=protocol.descriptive, note=""))
 
 
-def _comparison_table(comparisons, grid):
-  """The paired comparisons of the `grid`'s measures, as its unit, note and
+def _comparison_table(comparisons, protocol):
+  """The paired comparisons of the `protocol`'s measures, as its unit, note and
   wording have them."""
   if not comparisons:
     return []
-  unit = grid.unit
-  losses = any("loss" in key for key, _, _ in grid.measures)
+  unit = protocol.unit
+  losses = any("loss" in key for key, _, _ in protocol.measures)
   lines = ["", f"Paired comparisons, B - A by {unit} (positive: A has the lower error"
            + (" or loss" if losses else "") + "); 95% interval mean ± t(0.975, n-1) "
-           "sd / sqrt(n); called only when it excludes zero" + grid.note + ":", ""]
+           "sd / sqrt(n); called only when it excludes zero" + protocol.note + ":", ""]
   def row(c, key, label, spec):
     d = c[key]
     if d is None:
       return [c["a"], c["b"], c["decay_steps"], label, 0, "–", "–", "–",
-              stats.verdict(d, spec=spec, within=grid.within)]
+              stats.verdict(d, spec=spec, within=protocol.within)]
     return [c["a"], c["b"], c["decay_steps"], label, d["n"], ", ".join(
         f"{format(x, spec)} ({unit} {s})" for s, x in zip(d["seeds"], d["diffs"], strict=True)),
             format(d["mean"], spec),
             "–" if d["lo"] is None else f"[{format(d['lo'], spec)}, {format(d['hi'], spec)}]",
-            stats.verdict(d, spec=spec, within=grid.within)]
+            stats.verdict(d, spec=spec, within=protocol.within)]
   return lines + table(["A", "B", "lr decay every", "figure", f"{unit}s",
                         f"B - A per {unit}", "mean", "95% interval", "verdict"],
                        [row(c, *measure) for c in comparisons
-                        for measure in grid.measures])
+                        for measure in protocol.measures])
 
 
 def _routing_table(rows):
@@ -538,13 +539,13 @@ def write_results(folder, text, protocol, final, run_records, comparisons=(), de
                      json.dumps(payload, indent=1, sort_keys=True) + "\n")
 
 
-def report(rows, folder, grid, comparisons=(), shipped=(), descriptive=()):
+def report(rows, folder, protocol, comparisons=(), shipped=(), descriptive=()):
   """results.md, results.json (`write_results`: each run's figures, each
   comparison by measure, the rows per variant in "details") and the plots in
-  `folder`; for a `grid` whose runs are scored on the affine sets also
+  `folder`; for a `protocol` whose runs are scored on the affine sets also
   affine.png (affine error per variant and block) and, where swept,
   affine_sweep.png (beside the `shipped` weights' sweep)."""
-  table = markdown(rows, grid, comparisons, descriptive)
+  table = markdown(rows, protocol, comparisons, descriptive)
   if shipped:
     table += ("\nThe shipped weights (pretrained/r3_recon, 50 epochs), same sweep: "
               + ", ".join(f"{d:g}°: {e:.2f}" for d, e in shipped) + "\n")
@@ -553,15 +554,15 @@ def report(rows, folder, grid, comparisons=(), shipped=(), descriptive=()):
   by_measure = [{"a": c["a"], "b": c["b"], "decay_steps": c["decay_steps"], "measure": key,
                  **(d or {})} for c in comparisons for key, d in c.items()
                 if key not in ("a", "b", "decay_steps")]
-  write_results(folder, table, grid, run_records and all(x["complete"] for x in run_records),
+  write_results(folder, table, protocol, run_records and all(x["complete"] for x in run_records),
                 run_records, by_measure,
                 {"rows": [{k: v for k, v in r.items() if k != "runs"} for r in rows]})
   if rows:
     x, reference = ("pairs", MULTIMNIST_PAPER) if _multimnist(rows) else ("epoch", None)
-    plot(rows, os.path.join(folder, "val_error.png"), grid.title, x=x, reference=reference)
+    plot(rows, os.path.join(folder, "val_error.png"), protocol.title, x=x, reference=reference)
   if any(r["iter_routing"] > 1 for r in rows):
     plot_diagnostic(rows, os.path.join(folder, "diagnostic.png"))
-  if grid.affine and any(x["affine_error"] is not None for r in rows for x in r["runs"]):
+  if protocol.scores_affine and any(x["affine_error"] is not None for r in rows for x in r["runs"]):
     plot_affine(rows, os.path.join(folder, "affine.png"))
   if any(x["affine_sweep"] for r in rows for x in r["runs"]) or shipped:
     plot_sweep(rows, shipped, os.path.join(folder, "affine_sweep.png"))

@@ -32,8 +32,8 @@ def difference(found, pair, protocol, level=0.95):
   epoch, measure = protocol.rule["epoch"], protocol.rule["measure"]
   if epoch not in protocol.kept:
     return None
-  return stats.paired_difference(*(blocks.figures(found, v, epoch, measure)
-                                   for v in pair[:2]), level)
+  return stats.paired_difference(*(found.figures(v, epoch, measure) for v in pair[:2]),
+                                 level)
 
 
 def power_lines(pilot_found, protocol):
@@ -253,27 +253,25 @@ def report(out, protocol, folder):
   `out` (and the pilot's published runs); while blocks are missing, the
   progress report. Returns the markdown."""
   collected = blocks.collect(out, protocol.seeds, protocol)   # each run's files read once
-  done, found = blocks.complete_blocks(collected, protocol)
-  partial = sorted({s for per in collected.values() for s in per} - set(done))
+  done, found = collected.complete(protocol)
+  partial = sorted(set(collected.seeds) - set(done))
   final = len(done) == len(protocol.seeds)
   if not final:   # progress only: no difference, no interval
     return registered.progress_report(protocol, out, done, folder)
   decision = decide(found, protocol, final)
   rule, primary = protocol.rule, protocol.primary
   pilot, pilot_folder = pilot_of(protocol)
-  pilot_done, pilot_found, pooled = [], {}, []
+  pilot_done, pilot_found, pooled = [], blocks.Scores(), []
   if pilot:
-    pilot_done, pilot_found = blocks.complete_blocks(
-        blocks.collect(pilot_folder, pilot.seeds, protocol), protocol)
-    pooled_found = {v: {**pilot_found.get(v, {}), **found.get(v, {})}
-                    for v in protocol.variants}
-    pooled = [((a, b, name), difference(pooled_found, (a, b), protocol))
+    pilot_done, pilot_found = blocks.collect(pilot_folder, pilot.seeds, protocol).complete(
+        protocol)
+    pooled = [((a, b, name), difference(pilot_found | found, (a, b), protocol))
               for a, b, name in [primary, *protocol.secondary]]
   facts = {seed: block_facts(out, seed, protocol) for seed in done}
   kinds = {}
   for seed, fact in facts.items():
     kinds.setdefault(fact["kind"], []).append(seed)
-  by_kind = [(kind, seeds, difference(blocks.only_seeds(found, seeds), primary, protocol))
+  by_kind = [(kind, seeds, difference(found.of(seeds), primary, protocol))
              for kind, seeds in sorted(kinds.items())]
   added = descriptive.figures(
       descriptive.read_blocks(out, done, protocol.variants, rule["epoch"]), primary,
