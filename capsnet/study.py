@@ -67,29 +67,29 @@ FLAGS = flags.FLAGS
 
 def main(argv):
   extra = argv[1:]     # everything after `--` goes to train.py
-  grid = grids.GRIDS[FLAGS.grid]
-  variants = FLAGS.variants or list(grid.variants)
-  unknown = [v for v in variants if v not in grid.variants]
+  protocol = grids.GRIDS[FLAGS.grid]
+  variants = FLAGS.variants or list(protocol.variants)
+  unknown = [v for v in variants if v not in protocol.variants]
   if unknown:
-    sys.exit(f"study: error: --variants: {unknown} not in the {grid.name} "
-             f"grid {list(grid.variants)}")
-  decays = FLAGS.decay_steps or [str(d) for d in grid.schedules]
+    sys.exit(f"study: error: --variants: {unknown} not in the {protocol.name} "
+             f"grid {list(protocol.variants)}")
+  decays = FLAGS.decay_steps or [str(d) for d in protocol.schedules]
   try:
     schedules = [int(d) for d in decays]
   except ValueError:
     schedules = []
   if not schedules or min(schedules) < 1:
     sys.exit(f"study: error: --decay_steps={','.join(decays)}: expected positive integers")
-  settings = {"epochs": FLAGS.epochs or grid.epochs or 1,
+  settings = {"epochs": FLAGS.epochs or protocol.epochs or 1,
               **{k: FLAGS[k].value for k in ("precision", "diag_every", "val_every")}}
   compare = (FLAGS.compare if FLAGS.compare is not None
-             else [f"{a}:{b}" for a, b, _ in grid.pairs])
+             else [f"{a}:{b}" for a, b, _ in protocol.pairs])
   try:
-    pairs = grids.parse_pairs(compare, grid.variants)
+    pairs = grids.parse_pairs(compare, protocol.variants)
     sweep = [int(d) if d == int(d) else d for d in affine.parse_sweep(FLAGS.affine_sweep)]
   except ValueError as e:
     sys.exit(f"study: error: {e}")
-  seeds = range(FLAGS.first_seed, FLAGS.first_seed + (FLAGS.seeds or len(grid.seeds) or 2))
+  seeds = range(FLAGS.first_seed, FLAGS.first_seed + (FLAGS.seeds or len(protocol.seeds) or 2))
   if not FLAGS.train and not any(
       os.path.isdir(report.run_dir(FLAGS.out, n, s, d)) for s in seeds for d in schedules
       for n in variants):   # checked before any scoring
@@ -99,7 +99,7 @@ def main(argv):
              "--out?")
   where = grids.Where(FLAGS.out, FLAGS.publish, FLAGS.train, FLAGS.routing, FLAGS.shipped)
   try:
-    grids.run_grid(grid, variants, seeds, schedules, settings, extra, pairs, sweep, where)
+    grids.run_grid(protocol, variants, seeds, schedules, settings, extra, pairs, sweep, where)
   except runs.RunError as e:   # a damaged file, named with its line
     sys.exit(f"study: error: {e}")
 

@@ -30,22 +30,43 @@ def kept_checkpoint(folder, epoch):
   return prefix if epoch in ends and os.path.exists(prefix + ".index") else None
 
 
-def score(folder, epoch, log_path, protocol):
-  """Scores the weights kept at the end of `epoch` on the protocol's test
-  sets (eval.py, the run's own convolutions and precision). Returns: the
-  along_results.json entry. Raises RunError if the checkpoint is gone or
-  eval.py fails."""
+def score(folder, epoch, protocol, run_eval):
+  """The scorings entry of the weights kept at the end of `epoch` on the
+  protocol's test sets (eval.py, the run's own convolutions and precision),
+  with the indices of the misclassified images; None if a stop came.
+  `run_eval(command)`: runs eval.py, False if stopped; raises if it fails.
+  Raises RunError if the checkpoint is gone."""
   ckpt = kept_checkpoint(folder, epoch)
   if ckpt is None:
     raise runs.RunError(f"{folder}: no checkpoint kept at the end of epoch {epoch} "
                         "(epochs/); the run must be trained again")
   entry = {"epoch": epoch, "step": runs.step_of(ckpt)}
   for split in protocol.test_sets:
-    res = grids.evaluate(ckpt, os.path.join(folder, f"along_epoch{epoch}_{split}"),
-                         log_path, f"--split={split}").results()
+    out_dir = os.path.join(folder, f"along_epoch{epoch}_{split}")
+    if not run_eval(grids.eval_command(ckpt, out_dir, f"--split={split}")):
+      return None
+    evaluated = runs.EvalFolder(out_dir)
+    res, pred = evaluated.results(), evaluated.predictions()
     entry[split] = {k: res[k] for k in ("count", "error_percent", "margin_loss_mean",
                                         "routing_entropy", "routing_max_c") if k in res}
+    entry[split]["wrong"] = [i for i, y, p in zip(pred["index"], pred["label"],
+                                                  pred["prediction"], strict=True) if y != p]
   return entry
+
+
+def score_kept(folder, epochs, protocol, run_eval, name):
+  """Scores each of the kept `epochs` not scored yet (`score`), writing the
+  run's scorings after each; `name` heads the lines it prints. Returns:
+  False if a stop came."""
+  results = scored(folder)
+  for epoch in (e for e in epochs if str(e) not in results):
+    print(f"{name}: scoring the weights of epoch {epoch}", flush=True)
+    entry = score(folder, epoch, protocol, run_eval)
+    if entry is None:
+      return False
+    results[str(epoch)] = entry
+    runs.RunFolder(folder).write_json(RESULTS_FILE, results)
+  return True
 
 
 def settings(protocol):
@@ -71,13 +92,9 @@ def run_blocks(out, seeds, protocol, publish, extra=()):
     if not study_report.is_complete(folder, protocol.epochs):
       grids.run_one(spec, seed, folder, run_settings,
                     [f"--keep_epochs={','.join(str(e) for e in protocol.kept)}", *extra])
-    results = scored(folder)
-    for epoch in protocol.kept:
-      if str(epoch) not in results:
-        print(f"{os.path.basename(folder)}: scoring the weights of epoch {epoch}",
-              flush=True)
-        results[str(epoch)] = score(folder, epoch, folder + ".log", protocol)
-        runs.RunFolder(folder).write_json(RESULTS_FILE, results)
+    score_kept(folder, protocol.kept, protocol,
+               lambda cmd, log=folder + ".log": grids.call(cmd, log),
+               os.path.basename(folder))
     if publish:
       runs.RunFolder(folder).copy_small_files(
           os.path.join(publish, os.path.basename(folder)), SMALL_FILES)

@@ -53,11 +53,19 @@ def run_one(spec, seed, folder, settings, extra):
   print(f"{os.path.basename(folder)}: training in {folder}", flush=True)
   os.makedirs(folder, exist_ok=True)
   runs.RunFolder(folder).record_host(dict(host.describe(), commit=commit()))
-  with open(folder + ".log", "a") as log:
-    rc = subprocess.call(train_command(spec, seed, folder, settings, extra),
-                         stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+  call(train_command(spec, seed, folder, settings, extra), folder + ".log")
+
+
+def call(cmd, log_path):
+  """Runs `cmd` (train.py or eval.py and its flags) in the repository, its
+  output appended to `log_path`. Returns True; raises RunError naming the
+  program and the log if it fails."""
+  with open(log_path, "a") as log:
+    rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
   if rc:
-    raise runs.RunError(f"{os.path.basename(folder)} failed (exit {rc}); see {folder}.log")
+    raise runs.RunError(f"{os.path.basename(cmd[1])} {' '.join(cmd[2:4])} failed "
+                        f"(exit {rc}); see {log_path}")
+  return True
 
 
 def commit():
@@ -103,12 +111,7 @@ def evaluate(checkpoint, out_dir, log_path, *args):
   """eval.py on `checkpoint` (a run folder: its best checkpoint), with
   `args`, into `out_dir` (its output appended to `log_path`). Returns: the
   runs.EvalFolder. Raises RunError if eval.py fails."""
-  with open(log_path, "a") as log:
-    rc = subprocess.call(eval_command(checkpoint, out_dir, *args), stdout=log,
-                         stderr=subprocess.STDOUT, cwd=ROOT)
-  if rc:
-    raise runs.RunError(f"eval.py {' '.join(args)} on {checkpoint} failed (exit {rc}); "
-                        f"see {log_path}")
+  call(eval_command(checkpoint, out_dir, *args), log_path)
   return runs.EvalFolder(out_dir)
 
 

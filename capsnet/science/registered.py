@@ -411,6 +411,17 @@ class Children:
       finally:
         self.proc = None
 
+  def call(self, cmd, folder):
+    """`run`s `cmd` (eval.py) with <folder>.log: True, or False if stopped.
+    Raises RegisteredError if it fails."""
+    rc = self.run(cmd, folder + ".log")
+    if self.signum is not None:
+      return False
+    if rc:
+      raise RegisteredError(f"{os.path.basename(cmd[1])} {' '.join(cmd[2:4])} failed "
+                            f"(exit {rc}); see {folder}.log")
+    return True
+
 
 def last_error(log_path):
   """The log's last "train.py: error:" or other non-empty line."""
@@ -421,30 +432,6 @@ def last_error(log_path):
     return ""
   errors = [line for line in lines if line.startswith("train.py: error:")]
   return (errors or lines or [""])[-1]
-
-
-def score(protocol, children, folder, epoch):
-  """The scorings entry of one kept epoch on the protocol's test sets, with
-  the indices of the misclassified images; None if stopped."""
-  ckpt = blocks.kept_checkpoint(folder, epoch)
-  if ckpt is None:
-    raise RegisteredError(f"{folder}: no checkpoint kept at the end of epoch {epoch}")
-  entry = {"epoch": epoch, "step": runs.step_of(ckpt)}
-  for split in protocol.test_sets:
-    out_dir = os.path.join(folder, f"along_epoch{epoch}_{split}")
-    rc = children.run(grids.eval_command(ckpt, out_dir, f"--split={split}"), folder + ".log")
-    if children.signum is not None:
-      return None
-    if rc:
-      raise RegisteredError(f"eval.py --split={split} on {ckpt} failed (exit {rc}); see "
-                            f"{folder}.log")
-    evaluated = runs.EvalFolder(out_dir)
-    res, pred = evaluated.results(), evaluated.predictions()
-    entry[split] = {k: res[k] for k in ("count", "error_percent", "margin_loss_mean",
-                                        "routing_entropy", "routing_max_c") if k in res}
-    entry[split]["wrong"] = [i for i, y, p in zip(pred["index"], pred["label"],
-                                                  pred["prediction"], strict=True) if y != p]
-  return entry
 
 
 def plan_of(folder):
@@ -519,18 +506,12 @@ def run_due(protocol, children, out, publish, commit, extra, restart=False):
         raise RegisteredError(f"{name}: train.py failed (exit {rc}: {line}); not an outcome "
                               "of the model: mend the machine and run the command again")
       outcome = f"failed: {line[len('train.py: error: '):]}"
-  results = blocks.scored(folder)
   kept = [e for e in settings["kept"] if outcome is None or blocks.kept_checkpoint(folder, e)]
-  for epoch in kept:
-    if str(epoch) not in results:
-      print(f"{protocol.name}: {name}: scoring the weights of epoch {epoch}", flush=True)
-      entry = score(protocol, children, folder, epoch)
-      if entry is None:
-        write_partway(publish, folder, name,
-                      f"stopped by {signal.Signals(children.signum).name} while scoring")
-        return name, None, 128 + children.signum
-      results[str(epoch)] = entry
-      runs.RunFolder(folder).write_json(blocks.RESULTS_FILE, results)
+  if not blocks.score_kept(folder, kept, protocol, lambda cmd: children.call(cmd, folder),
+                           f"{protocol.name}: {name}"):
+    write_partway(publish, folder, name,
+                  f"stopped by {signal.Signals(children.signum).name} while scoring")
+    return name, None, 128 + children.signum
   update_record(folder, outcome=outcome or "completed", plan=plan_of(folder),
                 end={"time": _now(), "why": "ended", "step": newest_checkpoint(folder)[0]})
   runs.RunFolder(folder).copy_small_files(os.path.join(publish, name), blocks.SMALL_FILES)
