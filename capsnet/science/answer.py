@@ -21,31 +21,28 @@ ROUTED = tuple(v for v, flags in protocols.STOP_VARIANTS.items()   # couplings t
 ANSWERED = ("confirm", "short", "along", "table1")   # study/<name>/results.json
 
 
+DIFFERENCE = ("seeds", "diffs", "n", "mean", "sd", "t", "lo", "hi", "called")
+
+
 def _read(study, protocol):
   """<study>/<protocol>/results.json.
   Raises: runs.RunError naming the file if it is missing or not JSON."""
   folder = runs.RunFolder(os.path.join(study, protocol))
-  found = folder.read_json("results.json")
-  if found is None:
+  results = folder.read_json("results.json")
+  if results is None:
     raise runs.RunError(f"{folder.file('results.json')}: missing (the {protocol} "
                         "protocol's results; --protocols names the ones to put side "
                         "by side)")
-  return found
+  return results
 
 
-def _finished(found, decay_steps):
+def _finished(results, decay_steps):
   """{variant: {seed: run}} of a grid report's finished runs at one schedule."""
   out = {}
-  for x in found["runs"]:
+  for x in results["runs"]:
     if x["complete"] and x["decay_steps"] == decay_steps:
       out.setdefault(x["variant"], {})[x["seed"]] = x
   return out
-
-
-def _at_epoch(found, variant, epoch):
-  """{seed: measures} of a block report's runs of `variant` at `epoch`."""
-  return {x["seed"]: x["epochs"][epoch] for x in found["runs"]
-          if x["variant"] == variant and epoch in x["epochs"]}
 
 
 def _grid_row(label, selection, runs_by_variant):
@@ -58,10 +55,26 @@ def _grid_row(label, selection, runs_by_variant):
             *({s: x[key] for s, x in runs_by_variant.get(v, {}).items()} for v in (a, b)))
         for key, _, _ in MEASURES}
   for v in ROUTED:
-    found = list(runs_by_variant.get(v, {}).values())
+    done = list(runs_by_variant.get(v, {}).values())
     row["mechanism"][v] = _mechanism(
-        [(x.get("routing") or {}).get("own", {}).get("max_c", [None])[-1] for x in found],
-        [x["diag"]["digit_caps/weights"][1] for x in found])
+        [(x.get("routing") or {}).get("own", {}).get("max_c", [None])[-1] for x in done],
+        [x["diag"]["digit_caps/weights"][1] for x in done])
+  return row
+
+
+def _block_row(results, epoch, label):
+  """A block report's row at `epoch`: each pair's paired differences (its
+  comparisons), the routed variants' mean largest coupling and gradient share."""
+  row = {"length": label, "selection": "none", "pairs": {}, "mechanism": {}}
+  for c in results["comparisons"]:
+    if c["epoch"] == epoch:
+      row["pairs"].setdefault(f"{c['a']}:{c['b']}", {})[c["measure"]] = {
+          k: c[k] for k in DIFFERENCE}
+  for v in ROUTED:
+    per = [x["epochs"][str(epoch)] for x in results["runs"]
+           if x["variant"] == v and str(epoch) in x["epochs"]]
+    row["mechanism"][v] = _mechanism([m.get("max_c") for m in per],
+                                     [m.get("grad_share") for m in per])
   return row
 
 
@@ -71,29 +84,20 @@ def _mechanism(max_c, grad_share):
           "n": len(max_c)}
 
 
-def _confirm_row(found):
+def _confirm_row(results):
   """The confirmatory test's row (docs/confirm.md): its registered figures at
   the rule's epoch, each test-error cell called only where the registered rule
   calls it (Holm for the secondary pair); the margin loss, not registered, is
   never called."""
-  protocol = protocols.CONFIRM
-  epoch, decision = str(protocol.rule["epoch"]), found["details"]["decision"]
-  row = {"length": f"epoch {epoch}, paper's schedule: confirmatory, "
-                   f"{len(found['details']['blocks'])} blocks", "selection": "none",
-         "pairs": {}, "mechanism": {}}
-  registered = [decision["primary"], *decision["secondary"]]
-  for (a, b, _), d in zip([protocol.primary, *protocol.secondary], registered, strict=True):
-    margin = stats.paired_difference(
-        *({s: m["test_margin_loss"] for s, m in _at_epoch(found, v, epoch).items()}
-          for v in (a, b)))
-    row["pairs"][f"{a}:{b}"] = {
-        protocol.rule["measure"]: {k: d[k] for k in ("seeds", "diffs", "n", "mean", "sd",
-                                                     "t", "lo", "hi", "called")},
-        "test_margin_loss": margin and dict(margin, called=False)}
-  for v in ROUTED:
-    per = list(_at_epoch(found, v, epoch).values())
-    row["mechanism"][v] = _mechanism([m.get("max_c") for m in per],
-                                     [m.get("grad_share") for m in per])
+  protocol, decision = protocols.CONFIRM, results["details"]["decision"]
+  epoch, measure = protocol.rule["epoch"], protocol.rule["measure"]
+  row = _block_row(results, epoch, f"epoch {epoch}, paper's schedule: confirmatory, "
+                                   f"{len(results['details']['blocks'])} blocks")
+  for (a, b, _), d in zip([protocol.primary, *protocol.secondary],
+                          [decision["primary"], *decision["secondary"]], strict=True):
+    margin = row["pairs"][f"{a}:{b}"]["test_margin_loss"]
+    row["pairs"][f"{a}:{b}"] = {measure: {k: d[k] for k in DIFFERENCE},
+                                "test_margin_loss": dict(margin, called=False)}
   return row
 
 
@@ -115,19 +119,8 @@ def rows(study, names=ANSWERED):
                          _finished(short, protocols.SHORT.decay_steps)))
   along = _read(study, "along") if "along" in names else None
   if along:
-    for epoch in along["details"]["kept_epochs"]:
-      row = {"length": f"epoch {epoch}, paper's schedule", "selection": "none",
-             "pairs": {}, "mechanism": {}}
-      for c in along["comparisons"]:
-        if c["epoch"] == epoch:
-          d = {k: c[k] for k in ("seeds", "diffs", "n", "mean", "sd", "t", "lo", "hi",
-                                 "called")}
-          row["pairs"].setdefault(f"{c['a']}:{c['b']}", {})[c["measure"]] = d
-      for v in ROUTED:
-        per = list(_at_epoch(along, v, str(epoch)).values())
-        row["mechanism"][v] = _mechanism([m.get("max_c") for m in per],
-                                         [m.get("grad_share") for m in per])
-      out.append(row)
+    out += [_block_row(along, epoch, f"epoch {epoch}, paper's schedule")
+            for epoch in along["details"]["kept_epochs"]]
   table1 = _read(study, "table1") if "table1" in names else None
   if table1:
     out.append(_grid_row("50 epochs, paper's schedule", "best validation",
