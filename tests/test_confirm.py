@@ -150,10 +150,10 @@ def test_host_kind_from_cpuinfo(tmp_path):
                   "model\t\t: 17\nmodel name\t: AMD EPYC\nflags\t\t: fpu avx2 fma\n")
   assert host._cpuinfo(str(info)) == ("AMD EPYC", {"fpu", "avx2", "fma"},
                                       "AuthenticAMD family 25 model 17")
-  assert registered.host_kind({"started": {"cpu": "AMD EPYC", "cpu_id": "AuthenticAMD "
-                                        "family 25 model 17"}}) == (
+  assert registered.host_kind({"cpu": "AMD EPYC", "cpu_id": "AuthenticAMD "
+                               "family 25 model 17"}) == (
       "AMD EPYC, AuthenticAMD family 25 model 17")
-  assert registered.host_kind({"started": {"cpu": "AMD EPYC", "flags": ["avx512f"]}}) == (
+  assert registered.host_kind({"cpu": "AMD EPYC", "flags": ["avx512f"]}) == (
       "AMD EPYC, AVX-512")
 
 

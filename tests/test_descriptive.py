@@ -125,7 +125,7 @@ def test_every_figure_and_its_lines():
     a = rng.choice(10000, 50, replace=False).tolist()
     per_block.append((a, a[:49] + list(range(20000, 20000 + 1 + k % 3))))   # +0, +1, +2
   found = blocks_of(per_block)
-  fig = descriptive.figures(found, PAIR, 0.0785, 0.06, 0.05, [])
+  fig = descriptive.compute(found, PAIR, 0.0785, 0.06, 0.05, [])
   diffs = [(k % 3) / 100 for k in range(16)]
   assert fig["sign_flip_p"] == brute_sign_flip([k % 3 for k in range(16)])
   assert fig["sd"] == pytest.approx(np.std(diffs, ddof=1))

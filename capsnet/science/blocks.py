@@ -115,7 +115,7 @@ class Scores:
     """{seed: {measure: value}} of the variant's runs scored at `epoch`."""
     return {s: per[epoch] for (v, s), per in self.runs.items() if v == variant and epoch in per}
 
-  def figures(self, variant, epoch, measure):
+  def by_seed(self, variant, epoch, measure):
     """{seed: the `measure` at `epoch`} of the variant's runs that reached it."""
     return {s: m[measure] for s, m in self.at(variant, epoch).items()}
 
@@ -203,7 +203,7 @@ def compare(found, protocol):
     for key, _, _ in protocol.measures:
       per_epoch = {}
       for epoch in protocol.kept:
-        d = stats.paired_difference(found.figures(a, epoch, key), found.figures(b, epoch, key))
+        d = stats.paired_difference(found.by_seed(a, epoch, key), found.by_seed(b, epoch, key))
         if d is not None:
           per_epoch[epoch] = d
       table.setdefault((a, b), {})[key] = per_epoch

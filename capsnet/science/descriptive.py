@@ -139,34 +139,30 @@ def shared_host(block_runs, pair):
   return same, [s for s in sorted(block_runs) if s not in same]
 
 
-def host_name(identity):
-  return f"{identity.get('cpu', 'unknown CPU')}, {identity.get('cpu_id', '?')}"
-
-
 def resumes_and_restarts(out, names):
   """[{run, kind, hosts, steps, why}]: every resume and restart recorded in
   the host.json of the runs `names` in `out`, in their order."""
+  def host(attempt):
+    return registered.host_kind(attempt.get("identity"))
   rows = []
   for name in names:
     history = registered.History.read(os.path.join(out, name))
     for before, now in history.resumes():
       rows.append({"run": name, "kind": "resume",
-                   "hosts": f"{host_name(before.get('identity', {}))} -> "
-                            f"{host_name(now.get('identity', {}))}",
+                   "hosts": f"{host(before)} -> {host(now)}",
                    "steps": f"from step {now.get('from_step')}",
                    "why": before.get("end", {}).get("why", "killed: no end recorded")})
     for lost in history.lost:
       step = lost.get("step")
       rows.append({"run": name, "kind": "restart",
-                   "hosts": f"{host_name(lost.get('identity', {}))} -> "
-                            f"{host_name(history.attempts[0].get('identity', {}))}",
+                   "hosts": f"{host(lost)} -> {host(history.attempts[0])}",
                    "steps": f"lost at step {'unknown' if step is None else step}; "
                             f"again from step 0",
                    "why": f"{lost.get('why', '?')}; {lost.get('lost', '?')}"})
   return rows
 
 
-def figures(block_runs, pair, pilot_sd, effect, alpha, restarts):
+def compute(block_runs, pair, pilot_sd, effect, alpha, restarts):
   """Every descriptive figure as one dict (results.json's "descriptive")."""
   primary = error_difference(block_runs, pair)
   counts = [len(block_runs[s][pair[1]].test_wrong) - len(block_runs[s][pair[0]].test_wrong)
@@ -194,7 +190,7 @@ def _plain(d):
 
 
 def markdown_lines(fig, name, epoch):
-  """The report's section of these figures (`fig`: `figures`; `name`: the
+  """The report's section of these figures (`fig`: `compute`; `name`: the
   primary's, measured at `epoch`)."""
   def group(g):
     return _plain(g if "n" in g else None) + (

@@ -146,10 +146,11 @@ def progress(protocol, publish):
   return done, None
 
 
-def host_kind(host_record):
-  """A host.json's machine as the reports group blocks: the CPU's name and
-  family and model (older runs: its widest vector instructions)."""
-  facts = (host_record or {}).get("started", {})
+def host_kind(facts):
+  """A machine as the reports name it and group blocks: its CPU's name and
+  family and model (`facts`: a host.json's "started" or an attempt's
+  identity; older runs: the widest vector instructions)."""
+  facts = facts or {}
   extra = facts.get("cpu_id") or ("AVX-512" if "avx512f" in facts.get("flags", [])
                                     else "AVX2")
   return f"{facts.get('cpu', 'unknown CPU')}, {extra}"
@@ -715,19 +716,19 @@ def progress_report(protocol, out, complete, folder):
     own = [r for r in stops if r.get("run") == name]
     if run in done:
       history = History.read(os.path.join(out, name))
-      state, record, kinds = history.outcome, {"started": history.started}, history.kinds()
+      state, started, kinds = history.outcome, history.started, history.kinds()
     elif run == due and own:
       # not published yet: its newest stop says where it stands and on what host
       step = own[-1].get("step")
       state = f"part-way (step {'unknown' if step is None else step})"
-      record = {"started": own[-1].get("identity") or {}}
+      started = own[-1].get("identity")
       kinds = [("stop", r.get("why", "")) for r in own]
     else:
       continue
-    rows.append([position, name, state, host_kind(record),
+    rows.append([position, name, state, host_kind(started),
                  ", ".join(k + (f" ({why})" if why else "") for k, why in kinds)])
     payload_runs.append({"run": name, "variant": run[1], "seed": run[0],
-                         "position": position, "state": state, "host": host_kind(record),
+                         "position": position, "state": state, "host": host_kind(started),
                          "attempts": [list(k) for k in kinds]})
   n_done, n_runs = len(done), len(sequence(protocol))
   lines = [f"# {protocol.title}: interim, {n_done} of {n_runs} runs, {len(complete)} of "

@@ -32,7 +32,7 @@ def difference(found, pair, protocol, level=0.95):
   epoch, measure = protocol.rule["epoch"], protocol.rule["measure"]
   if epoch not in protocol.kept:
     return None
-  return stats.paired_difference(*(found.figures(v, epoch, measure) for v in pair[:2]),
+  return stats.paired_difference(*(found.by_seed(v, epoch, measure) for v in pair[:2]),
                                  level)
 
 
@@ -112,7 +112,7 @@ def block_facts(folder, seed, protocol):
     run = runs.RunFolder(study_report.run_dir(folder, variant, seed))
     host, config = run.read_json(runs.HOST_FILE) or {}, run.config() or {}
     started = host.get("started", {})
-    for key, value in (("host", started.get("cpu")), ("kind", registered.host_kind(host)),
+    for key, value in (("host", started.get("cpu")), ("kind", registered.host_kind(started)),
                        ("commit", (started.get("commit") or "?")[:12]),
                        ("precision", config.get("model", {}).get("precision")),
                        ("plan", config.get("model", {}).get("conv_plan"))):
@@ -273,7 +273,7 @@ def report(out, protocol, folder):
     kinds.setdefault(fact["kind"], []).append(seed)
   by_kind = [(kind, seeds, difference(found.of(seeds), primary, protocol))
              for kind, seeds in sorted(kinds.items())]
-  added = descriptive.figures(
+  added = descriptive.compute(
       descriptive.read_blocks(out, done, protocol.variants, rule["epoch"]), primary,
       (difference(pilot_found, primary, protocol) or {}).get("sd"), rule["power"]["effect"],
       rule["alpha"], descriptive.resumes_and_restarts(
