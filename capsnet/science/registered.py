@@ -74,10 +74,8 @@ def sequence(protocol):
 def table_lines(protocol):
   """The order table as the protocol's page prints it."""
   places = ("first", "second", "third", "fourth", "fifth", "sixth")[:len(protocol.variants)]
-  lines = ["| block (seed) | " + " | ".join(places) + " |", "|---|" + "---|" * len(places)]
-  lines += [f"| {seed} | " + " | ".join(f"`{v}`" for v in order) + " |"
-            for seed, order in order_table(protocol).items()]
-  return lines
+  return study_report.table(["block (seed)", *places], [
+      [seed, *(f"`{v}`" for v in order)] for seed, order in order_table(protocol).items()])
 
 
 def folder_name(run):
