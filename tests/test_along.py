@@ -91,6 +91,21 @@ def test_the_rule_by_hand_and_a_called_reversal(block_runs):
   assert found.runs[("r1_recon", 3)][5]["grad_share"] == 0.0
 
 
+def test_scores_keep_complete_blocks_and_merge_by_run():
+  """A block is complete when each variant's run is scored at every kept
+  epoch; `|` keeps a run's scores from its right side."""
+  every = {e: {"test_error": 1.0} for e in ALONG.kept}
+  scores = blocks.Scores({(v, s): dict(every) for v in ALONG.variants for s in (0, 1)})
+  scores.runs[("r3_recon", 1)].pop(ALONG.kept[-1])           # block 1 lacks an epoch
+  done, complete = scores.complete(ALONG)
+  assert done == [0] and complete.seeds == [0] and scores.seeds == [0, 1]
+  assert scores.by_seed("r3_recon", ALONG.kept[-1], "test_error") == {0: 1.0}
+  newer = blocks.Scores({("r3_recon", 1): {e: {"test_error": 2.0} for e in ALONG.kept}})
+  merged = scores | newer
+  assert merged.complete(ALONG)[0] == [0, 1]
+  assert merged.by_seed("r3_recon", ALONG.kept[-1], "test_error") == {0: 1.0, 1: 2.0}
+
+
 def test_no_reversal_when_calls_agree(block_runs):
   found = blocks.collect(block_runs, range(5), ALONG)
   for seed in found.seeds:   # epoch 1 now on the same side as 5, 10
