@@ -141,11 +141,18 @@ def test_a_restart_is_refused_without_the_flag_and_keeps_the_old_folder(tmp_path
   out, pub = str(tmp_path / "out"), str(tmp_path / "pub")
   name = registered.folder_name(registered.sequence(CONFIRM)[0])
   started_run(out, name, dict(HERE, cpu="another CPU"))
-  with pytest.raises(registered.RegisteredError, match="pass --restart"):
+  with pytest.raises(registered.RegisteredError,
+                     match=r"pass --restart to do that \(the old folder is kept in "):
     registered.run_sequence(CONFIRM, out, pub, [], 1)
   assert os.path.isdir(os.path.join(out, name))
   assert registered.set_aside(out, name) == os.path.join(out, "lost", name + ".attempt1")
   assert not os.path.exists(os.path.join(out, name))
+  # Gone with the machine, its part-way state committed: no old folder to keep.
+  os.makedirs(pub)
+  with open(os.path.join(pub, registered.PARTWAY_FILE), "w") as f:
+    f.write(json.dumps({"run": name, "step": 429}) + "\n")
+  with pytest.raises(registered.RegisteredError, match=r"is gone.*pass --restart to do that$"):
+    registered.run_sequence(CONFIRM, out, pub, [], 1)
 
 
 def test_runs_out_of_turn_are_refused(tmp_path, monkeypatch):

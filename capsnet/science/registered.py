@@ -471,9 +471,10 @@ def run_due(protocol, children, out, publish, commit, extra, restart=False):
   attempt = plan_attempt(out, publish, due, now)
   lost = []
   if attempt["kind"] == "restart" and not restart:
+    kept = f" (the old folder is kept in {out}/{LOST_FOLDER}/)" if os.path.isdir(folder) else ""
     raise RegisteredError(f"{name}: {attempt['reason']}: by the rule it is run again "
                           "whole, from its start, in a fresh folder: pass --restart to do "
-                          f"that (the old folder is kept in {out}/{LOST_FOLDER}/)")
+                          f"that{kept}")
   if attempt["kind"] == "restart":
     if os.path.isdir(folder):
       previous = History.read(folder)
