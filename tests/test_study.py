@@ -191,6 +191,24 @@ def test_study_cli_runs_then_skips(tmp_path):
 
 
 @pytest.mark.integration
+def test_a_failed_program_is_named_with_its_first_flags_and_log(tmp_path):
+  """grids.call and the registered runner's children: one line naming the
+  program, its first two flags, its exit status and its log."""
+  from capsnet.science import registered
+  prog = tmp_path / "prog.py"
+  prog.write_text("import sys\nprint('dying')\nsys.exit(3)\n")
+  cmd = [sys.executable, str(prog), "--a=1", "--b=2", "--c=3"]
+  log = str(tmp_path / "run.log")
+  with pytest.raises(runs.RunError) as e:
+    grids.call(cmd, log)
+  assert str(e.value) == f"prog.py --a=1 --b=2 failed (exit 3); see {log}"
+  with pytest.raises(registered.RegisteredError) as e:
+    registered.Children().call(cmd, str(tmp_path / "run"))
+  assert str(e.value) == f"prog.py --a=1 --b=2 failed (exit 3); see {log}"
+  with open(log) as f:
+    assert f.read() == "dying\ndying\n"
+
+
 def test_study_flag_errors(tmp_path):
   def last_error(*flags):
     proc = subprocess.run([sys.executable, "-m", "capsnet.study", *flags,

@@ -63,9 +63,13 @@ def call(cmd, log_path):
   with open(log_path, "a") as log:
     rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
   if rc:
-    raise runs.RunError(f"{os.path.basename(cmd[1])} {' '.join(cmd[2:4])} failed "
-                        f"(exit {rc}); see {log_path}")
+    raise runs.RunError(failed(cmd, rc, log_path))
   return True
+
+
+def failed(cmd, rc, log_path):
+  """The one line that names a failed program, its first flags and its log."""
+  return f"{os.path.basename(cmd[1])} {' '.join(cmd[2:4])} failed (exit {rc}); see {log_path}"
 
 
 def commit():

@@ -417,8 +417,7 @@ class Children:
     if self.signum is not None:
       return False
     if rc:
-      raise RegisteredError(f"{os.path.basename(cmd[1])} {' '.join(cmd[2:4])} failed "
-                            f"(exit {rc}); see {folder}.log")
+      raise RegisteredError(grids.failed(cmd, rc, folder + ".log"))
     return True
 
 
