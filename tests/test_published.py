@@ -1,6 +1,7 @@
 """The committed results are what the project's own code makes of the
-committed run files, and the README's table is the answer's table: a run
-published without its report, or a report without the README, fails here."""
+committed run files, the along page's table is the answer's table and the
+README says where the confirmatory test stands: a run published without its
+report, or a report without the README, fails here."""
 import json
 import os
 import shutil
@@ -166,17 +167,25 @@ def test_answer_is_the_committed_results_answer(tmp_path):
           f"study/{name} is stale: python -m capsnet.answer")
 
 
-def test_readme_table_is_the_answers_and_says_interim_while_it_is():
-  with open(os.path.join(ROOT, "README.md")) as f:
-    readme = f.read()
+def test_along_page_table_is_the_answers():
+  """docs/along.md gives the pilots' primary table across protocols: it must
+  be study/answer.md's, row for row."""
+  with open(os.path.join(ROOT, "docs", "along.md")) as f:
+    page = f.read()
   with open(os.path.join(STUDY, "answer.md")) as f:
     answered = f.read()
-  ours = table_rows(readme, "| training | checkpoint |")
-  assert ours and ours == table_rows(answered, "| training | checkpoint chosen on |")
-  with open(os.path.join(ALONG, "results.json")) as f:
-    blocks = json.load(f)["details"]["blocks"]
-  if len(blocks) < 5:
-    named = ", ".join(str(b) for b in blocks[:-1]) + f" and {blocks[-1]}"
-    assert f"interim: blocks {named} of 5" in readme
+  ours = table_rows(page, "| training | checkpoint |")
+  assert ours and ours == table_rows(answered, "| training | checkpoint chosen on |"), (
+      "docs/along.md's table is not study/answer.md's: python -m capsnet.answer, then copy")
+
+
+def test_readme_results_say_where_the_confirmatory_test_stands():
+  with open(os.path.join(ROOT, "README.md")) as f:
+    results = f.read().split("## Results")[1].split("\n## ")[0]
+  with open(os.path.join(CONFIRMED, "results.json")) as f:
+    counted = json.load(f)
+  if not counted["final"]:
+    done, total = counted["details"]["runs_done"], len(registered.sequence(protocols.CONFIRM))
+    assert f"Where it stands: {done} of {total} runs done." in " ".join(results.split())
   else:
-    assert "interim" not in readme.split("## Results")[1].split("\n## ")[0]
+    assert "study/confirm/confirm.png" in results
