@@ -187,5 +187,9 @@ def test_readme_results_say_where_the_confirmatory_test_stands():
   if not counted["final"]:
     done, total = counted["details"]["runs_done"], len(registered.sequence(protocols.CONFIRM))
     assert f"Where it stands: {done} of {total} runs done." in " ".join(results.split())
-  else:
-    assert "study/confirm/confirm.png" in results
+  else:   # the registered answer in a few lines: the primary, the claim, the picture
+    decision, text = counted["details"]["decision"], " ".join(results.split())
+    primary = decision["primary"]
+    assert f"{primary['mean']:+.3f} points" in text, "README: the primary's difference"
+    assert f"[{primary['lo']:+.3f}, {primary['hi']:+.3f}]" in text, "README: its interval"
+    assert decision["claim"] in text and "study/confirm/confirm.png" in results
