@@ -182,13 +182,14 @@ def test_along_page_table_is_the_answers():
 def test_readme_results_say_where_the_confirmatory_test_stands():
   with open(os.path.join(ROOT, "README.md")) as f:
     results = f.read().split("## Results")[1].split("\n## ")[0]
+  text = " ".join(results.split())   # the section's words, its line breaks aside
   with open(os.path.join(CONFIRMED, "results.json")) as f:
     counted = json.load(f)
   if not counted["final"]:
     done, total = counted["details"]["runs_done"], len(registered.sequence(protocols.CONFIRM))
-    assert f"Where it stands: {done} of {total} runs done." in " ".join(results.split())
+    assert f"Where it stands: {done} of {total} runs done." in text
   else:   # the registered answer in a few lines: the primary, the claim, the picture
-    decision, text = counted["details"]["decision"], " ".join(results.split())
+    decision = counted["details"]["decision"]
     primary = decision["primary"]
     assert f"{primary['mean']:+.3f} points" in text, "README: the primary's difference"
     assert f"[{primary['lo']:+.3f}, {primary['hi']:+.3f}]" in text, "README: its interval"
