@@ -59,6 +59,26 @@ def test_second_ctrl_c_waits_for_the_checkpoint_being_written():
     stop(signal.SIGINT, None)            # outside a save: at once
 
 
+def test_after_a_stop_signal_a_later_one_changes_nothing():
+  """Leaving the run's session after a stop signal must not put the default
+  handlers back: a second Ctrl-C arriving after the save (while the run
+  prints where it saved) would raise a bare KeyboardInterrupt, a traceback."""
+  before = {sig: signal.getsignal(sig) for sig in stopping.STOP_SIGNALS}
+  try:
+    with stopping.StopRequest().installed():
+      pass
+    assert {sig: signal.getsignal(sig) for sig in stopping.STOP_SIGNALS} == before
+    with stopping.StopRequest().installed() as stop:
+      stop(signal.SIGINT, None)
+    for sig in stopping.STOP_SIGNALS:
+      assert signal.getsignal(sig) == signal.SIG_IGN, sig
+    os.kill(os.getpid(), signal.SIGINT)   # ignored: no KeyboardInterrupt
+    time.sleep(0.01)
+  finally:
+    for sig, handler in before.items():
+      signal.signal(sig, handler)
+
+
 @pytest.mark.integration
 @needs_mnist
 def test_ctrl_c_twice_no_traceback_and_listed_checkpoints_load(tmp_path):

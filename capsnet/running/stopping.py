@@ -73,13 +73,16 @@ class StopRequest:
 
   @contextlib.contextmanager
   def installed(self):
-    """Handles `STOP_SIGNALS` inside (the previous handlers back after)."""
+    """Handles `STOP_SIGNALS` inside; after, the previous handlers come back,
+    unless a stop signal came: then the run is saved or quitting, and a later
+    signal (one still pending included) changes nothing."""
     previous = {sig: signal.signal(sig, self) for sig in STOP_SIGNALS}
     try:
       yield self
     finally:
+      stopped = self.requested or self.signum is not None
       for sig, handler in previous.items():
-        signal.signal(sig, handler)
+        signal.signal(sig, signal.SIG_IGN if stopped else handler)
 
 
 def ignore_stop_signals():
