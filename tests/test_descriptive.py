@@ -154,7 +154,11 @@ def test_every_resume_and_restart_is_listed(tmp_path):
       "r1_recon_seed9": {"attempts": [
           {"kind": "start", "identity": xeon, "end": {"why": "stopped by SIGTERM"}},
           {"kind": "resume", "from_step": 1615, "identity": xeon}], "lost": []},
-      "r3_recon_seed5": {"attempts": [{"kind": "start", "identity": xeon}], "lost": []}}
+      "r3_recon_seed5": {"attempts": [{"kind": "start", "identity": xeon}], "lost": []},
+      "r3_recon_seed16": {   # stopped before its first checkpoint, set aside, restarted
+          "attempts": [{"kind": "restart", "identity": epyc}],
+          "lost": [{"kind": "start", "identity": epyc, "folder": "/h/lost/r3.attempt1",
+                    "end": {"why": "stopped by SIGTERM", "step": None}}]}}
   for name, record in records.items():
     os.makedirs(tmp_path / name)
     (tmp_path / name / "host.json").write_text(json.dumps(record))
@@ -168,4 +172,7 @@ def test_every_resume_and_restart_is_listed(tmp_path):
        "steps": "lost at step 23; again from step 0",
        "why": "stopped by SIGTERM; folder gone"},
       {"run": "r1_recon_seed9", "kind": "resume", "hosts": f"{x} -> {x}",
-       "steps": "from step 1615", "why": "stopped by SIGTERM"}]
+       "steps": "from step 1615", "why": "stopped by SIGTERM"},
+      {"run": "r3_recon_seed16", "kind": "restart", "hosts": f"{e} -> {e}",
+       "steps": "lost at step unknown; again from step 0",
+       "why": "stopped by SIGTERM; folder set aside in /h/lost/r3.attempt1"}]
