@@ -179,6 +179,19 @@ def test_breaches_of_the_sequence_and_of_the_stops_are_named(tmp_path):
          "listed as lost" in found
 
 
+def test_the_registrations_report_folder_only_once_the_sequence_is_complete(tmp_path):
+  pub = str(tmp_path)
+  first_runs(pub, 1)
+  os.makedirs(os.path.join(pub, registered.REGISTERED_FOLDER))
+  due = registered.folder_name(registered.sequence(CONFIRM)[1])
+  assert registered.audit(CONFIRM, pub, COMMIT) == [
+      f"registered: the registration's report before the sequence is complete (next due: "
+      f"{due})"]
+  for seed, variant in registered.sequence(CONFIRM)[1:]:
+    publish_run(pub, seed, variant)
+  assert registered.audit(CONFIRM, pub, COMMIT) == []
+
+
 def test_a_resume_on_another_host_and_a_restart_without_lost_attempts_are_named(tmp_path):
   pub = str(tmp_path)
   (s1, v1), (s2, v2) = registered.sequence(CONFIRM)[:2]

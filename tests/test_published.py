@@ -118,7 +118,7 @@ def test_the_registered_answer_is_the_registrations_own_report():
   registered answer, line for line, and the same decision; before, neither."""
   with open(os.path.join(CONFIRMED, "results.json")) as f:
     ours = json.load(f)
-  theirs_folder = os.path.join(CONFIRMED, "registered")
+  theirs_folder = os.path.join(CONFIRMED, registered.REGISTERED_FOLDER)
   if not ours["final"]:
     assert not os.path.exists(theirs_folder), "the registration's report before the last run"
     return
@@ -138,7 +138,8 @@ def test_every_confirmatory_attempt_ran_checked_fp32_from_the_registration_commi
   commit = registered.registration_commit(ROOT, protocols.CONFIRM.lock)
   assert commit is not None, "no git history of docs/confirm.lock: test a clone"
   done, _ = registered.progress(protocols.CONFIRM, CONFIRMED)
-  names = sorted(n for n in os.listdir(CONFIRMED) if os.path.isdir(os.path.join(CONFIRMED, n)))
+  names = sorted(n for n in os.listdir(CONFIRMED) if os.path.isdir(os.path.join(CONFIRMED, n))
+                 and n != registered.REGISTERED_FOLDER)
   assert names == sorted(registered.folder_name(r) for r in done), "published runs out of turn"
   with open(os.path.join(CONFIRMED, "results.json")) as f:
     counted = json.load(f)

@@ -33,6 +33,9 @@ from capsnet.science import report as study_report
 PARTWAY_FILE = "partway.jsonl"   # published: one row each time a run stops part-way
 IDENTITY = ("cpu", "cpu_id", "flags", "cores", "python", "tensorflow", "numpy", "onednn")
 LOST_FOLDER = "lost"             # in --out: the folders of restarted runs, kept
+# In --publish, once the sequence is complete: the report the registration's
+# own code made of it (docs/confirm.md's registered answer), with its README.
+REGISTERED_FOLDER = "registered"
 # Tests only: skips the code and environment checks; every attempt records it
 # ("checked": false) and the audit refuses such a run.
 UNCHECKED = "CAPSNET_CONFIRM_UNCHECKED"
@@ -601,7 +604,11 @@ def audit(protocol, publish, registered, page=None, registered_page=None):
                    ) if os.path.isdir(publish) else []
   in_order = [folder_name(r) for r in done]
   for name in present:
-    if name not in names:
+    if name == REGISTERED_FOLDER:
+      if due is not None:
+        breaches.append(f"{name}: the registration's report before the sequence is "
+                        f"complete (next due: {folder_name(due)})")
+    elif name not in names:
       breaches.append(f"{name}: not a run of the registered sequence")
     elif name not in in_order:
       breaches.append(f"{name}: published out of turn (the sequence's next due is "
