@@ -87,8 +87,7 @@ def main(argv):
     sys.exit(f"train.py: error: {e}")
   except OSError as e:
     sys.exit(f"train.py: error: {e.filename or s.logdir}: {e.strerror or e}")
-  except stopping.Quit as e:
-    stopping.ignore_stop_signals()
+  except stopping.Quit as e:   # the stop signals are ignored from here (StopRequest)
     print(f"{signal.Signals(e.signum).name} again: quit without saving; the last "
           f"checkpoint is {folder.latest_checkpoint('latest')}", file=sys.stderr)
     sys.stdout.flush()
@@ -96,9 +95,6 @@ def main(argv):
     # At once: interpreter shutdown with TensorFlow's input threads still
     # running can abort the process ("exception not rethrown").
     os._exit(128 + e.signum)
-  except SystemExit:   # stopped by a signal and saved: a later one changes nothing
-    stopping.ignore_stop_signals()
-    raise
   finally:
     if run_lock:
       run_lock.release()

@@ -83,8 +83,3 @@ class StopRequest:
       stopped = self.requested or self.signum is not None
       for sig, handler in previous.items():
         signal.signal(sig, signal.SIG_IGN if stopped else handler)
-
-
-def ignore_stop_signals():
-  for sig in STOP_SIGNALS:
-    signal.signal(sig, signal.SIG_IGN)
