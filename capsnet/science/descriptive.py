@@ -151,27 +151,15 @@ def resumes_and_restarts(out, names):
       rows.append({"run": name, "kind": "resume",
                    "hosts": f"{host(before)} -> {host(now)}",
                    "steps": f"from step {now.get('from_step')}",
-                   "why": before.get("end", {}).get("why", "killed: no end recorded")})
+                   "why": before.get("end", {}).get("why", registered.KILLED)})
     for lost in history.lost:
-      step, why, where = lost_attempt(lost)
+      step, why, where = history.lost_end(lost)
       rows.append({"run": name, "kind": "restart",
                    "hosts": f"{host(lost)} -> {host(history.attempts[0])}",
                    "steps": f"lost at step {'unknown' if step is None else step}; "
                             f"again from step 0",
                    "why": f"{why}; {where}"})
   return rows
-
-
-def lost_attempt(lost):
-  """(step, why it ended, where its folder went) of a lost attempt, in either
-  shape host.json records: a committed part-way state whose folder was gone
-  ("lost": "folder gone"), or the attempt of a folder the restart set aside
-  (its "end" and "folder")."""
-  if "folder" in lost:
-    end = lost.get("end") or {}
-    return (end.get("step"), end.get("why", "killed: no end recorded"),
-            f"folder set aside in {lost['folder']}")
-  return lost.get("step"), lost.get("why", "?"), lost.get("lost", "?")
 
 
 def compute(block_runs, pair, pilot_sd, effect, alpha, restarts):

@@ -39,6 +39,7 @@ REGISTERED_FOLDER = "registered"
 # Tests only: skips the code and environment checks; every attempt records it
 # ("checked": false) and the audit refuses such a run.
 UNCHECKED = "CAPSNET_CONFIRM_UNCHECKED"
+KILLED = "killed: no end recorded"   # an attempt another followed, with no end
 MODEL_FAILURE = "train.py: error: loss is "   # a non-finite loss: an outcome
 NOT_LOCKED = ("pip", "setuptools", "wheel", "distribute")   # pip freeze leaves them out
 RESULTS_LINE = "\n---\n\n## Results"   # nothing above it on the page changes
@@ -123,8 +124,20 @@ class History:
     a killed one says so."""
     return ([("lost", a.get("lost") or a.get("reason") or "") for a in self.lost]
             + [(a.get("kind", "?"), a.get("reason") or (
-                "killed: no end recorded" if self.killed(k) else ""))
+                KILLED if self.killed(k) else ""))
                for k, a in enumerate(self.attempts)])
+
+  @staticmethod
+  def lost_end(lost):
+    """(step, why it ended, where its folder went) of a lost attempt, in
+    either shape `lost` holds: a committed part-way state whose folder was
+    gone ("lost": "folder gone"), or the attempt of a folder the restart set
+    aside (its "end" and "folder")."""
+    if "folder" in lost:
+      end = lost.get("end") or {}
+      return (end.get("step"), end.get("why", KILLED),
+              f"folder set aside in {lost['folder']}")
+    return lost.get("step"), lost.get("why", "?"), lost.get("lost", "?")
 
   def resumes(self):
     """[(the attempt before, the resume)] of every resume."""
