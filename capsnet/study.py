@@ -42,7 +42,7 @@ def define_flags():
   flags.DEFINE_string("out", "study", "folder of the runs, table and plots")
   flags.DEFINE_string("publish", None, "also write the table and plots here and "
                       "copy each run's small files to <publish>/<run>/")
-  flags.DEFINE_string("precision", "fp32", "fp32 or bf16, for every run")
+  flags.DEFINE_enum("precision", "fp32", ["fp32", "bf16"], "for every run")
   flags.DEFINE_integer("diag_every", 50, "steps between gradient diagnostics", lower_bound=1)
   flags.DEFINE_integer("val_every", 100, "steps between validations inside an epoch "
                        "(for the curves; 0: epoch ends only)", lower_bound=0)

@@ -224,6 +224,11 @@ def test_study_flag_errors(tmp_path):
       "'r3_recon_balance', 'r3_recon_official']")
   assert last_error("--decay_steps=2000,x") == (
       "study: error: --decay_steps=2000,x: expected positive integers")
+  proc = subprocess.run([sys.executable, "-m", "capsnet.study", "--precision=fp16",
+                         f"--out={tmp_path}"], capture_output=True, text=True, cwd=ROOT)
+  assert proc.returncode != 0
+  assert "flag --precision=fp16: value should be one of <fp32|bf16>" in proc.stderr
+  assert not os.listdir(tmp_path)   # refused before anything is written
 
 
 def test_t_quantiles_and_paired_interval_by_hand():
