@@ -10,6 +10,7 @@ import pytest
 
 from capsnet.running import runs
 from capsnet.science import descriptive
+from capsnet.science import registered
 from capsnet.science import stats
 
 PAIR = ("r3_recon", "r3_recon_nostop", "the stop: nostop - stop")
@@ -176,3 +177,11 @@ def test_every_resume_and_restart_is_listed(tmp_path):
       {"run": "r3_recon_seed16", "kind": "restart", "hosts": f"{e} -> {e}",
        "steps": "lost at step unknown; again from step 0",
        "why": "stopped by SIGTERM; folder set aside in /h/lost/r3.attempt1"}]
+  # The interim progress table names a lost attempt by the same reader.
+  kinds = {name: registered.History.read(str(tmp_path / name)).kinds()
+           for name in ("r3_recon_nostop_seed12", "r3_recon_seed16")}
+  assert kinds == {
+      "r3_recon_nostop_seed12": [("lost", "at step 23: stopped by SIGTERM; folder gone"),
+                                 ("restart", "")],
+      "r3_recon_seed16": [("lost", "at step unknown: stopped by SIGTERM; folder set aside "
+                                   "in /h/lost/r3.attempt1"), ("restart", "")]}

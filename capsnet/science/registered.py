@@ -120,12 +120,14 @@ class History:
     return k < len(self.attempts) - 1 and "end" not in self.attempts[k]
 
   def kinds(self):
-    """[(kind, reason or "")] of every attempt, lost ones first (as "lost");
-    a killed one says so."""
-    return ([("lost", a.get("lost") or a.get("reason") or "") for a in self.lost]
-            + [(a.get("kind", "?"), a.get("reason") or (
-                KILLED if self.killed(k) else ""))
-               for k, a in enumerate(self.attempts)])
+    """[(kind, reason or "")] of every attempt, lost ones first (as "lost",
+    with where they ended and where their folder went); a killed one says so."""
+    lost = []
+    for a in self.lost:
+      step, why, where = self.lost_end(a)
+      lost.append(("lost", f"at step {'unknown' if step is None else step}: {why}; {where}"))
+    return lost + [(a.get("kind", "?"), a.get("reason") or (KILLED if self.killed(k) else ""))
+                   for k, a in enumerate(self.attempts)]
 
   @staticmethod
   def lost_end(lost):
