@@ -170,14 +170,7 @@ def _measure(variant, precision, mode, settings, conv, queue):
     cfg, op, planning = _step_graph(variant, precision, mode, settings, conv)
     with tf.compat.v1.Session() as sess:
       sess.run(tf.compat.v1.global_variables_initializer())
-      for _ in range(settings["warmup"]):
-        sess.run(op)
-      times = []
-      for _ in range(settings["steps"]):
-        t = time.perf_counter()
-        sess.run(op)
-        times.append(time.perf_counter() - t)
-  step = statistics.median(times)
+      step = statistics.median(_seconds(sess, op, settings["warmup"], settings["steps"]))
   gflop = roofline.nominal_flops(cfg, batch, mode == "train") / 1e9
   costs = {}
   if mode == "train" and variant == "ours":
@@ -204,11 +197,7 @@ def _profile(precision, settings, queue, traces=3, top=12):
     config = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=1)
     with tf.compat.v1.Session(config=config) as sess:
       sess.run(tf.compat.v1.global_variables_initializer())
-      for _ in range(settings["warmup"]):
-        sess.run(op)
-      t = time.perf_counter()
-      sess.run(op)
-      step_ms = 1000 * (time.perf_counter() - t)
+      step_ms = 1000 * _seconds(sess, op, settings["warmup"], 1)[0]
       options = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE)
       for _ in range(traces):
         meta = tf.compat.v1.RunMetadata()
@@ -281,19 +270,20 @@ def _bandwidth(megabytes, queue, reps=5):
       with tf.compat.v1.Session() as sess:
         sess.run(tf.compat.v1.global_variables_initializer())
         for op, moved in forms.values():
-          best_rate = max(best_rate, moved / _best_seconds(sess, op, reps) / 1e9)
+          best_rate = max(best_rate, moved / min(_seconds(sess, op, 1, reps)) / 1e9)
   queue.put(best_rate)
 
 
-def _best_seconds(sess, op, reps):
-  """The shortest of `reps` runs of `op`, after one untimed run."""
-  sess.run(op)
-  best = float("inf")
-  for _ in range(reps):
+def _seconds(sess, op, warmup, runs):
+  """The seconds of each of `runs` runs of `op`, after `warmup` untimed ones."""
+  for _ in range(warmup):
+    sess.run(op)
+  times = []
+  for _ in range(runs):
     t = time.perf_counter()
     sess.run(op)
-    best = min(best, time.perf_counter() - t)
-  return best
+    times.append(time.perf_counter() - t)
+  return times
 
 
 def _measure_input(settings, queue, n=55000, batches=200):
@@ -389,7 +379,7 @@ def _matmul_peak(dtype_name, n, queue, reps=10):
     prods = [tf.matmul(a, mats[4])[0, 0] for a in mats[:4]]
     with tf.compat.v1.Session() as sess:
       sess.run(tf.compat.v1.global_variables_initializer())
-      best = _best_seconds(sess, prods, reps)
+      best = min(_seconds(sess, prods, 1, reps))
   queue.put(4 * 2 * n ** 3 / best / 1e9)
 
 
