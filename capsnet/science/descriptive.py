@@ -156,7 +156,7 @@ def resumes_and_restarts(out, names):
       step, why, where = history.lost_end(lost)
       rows.append({"run": name, "kind": "restart",
                    "hosts": f"{host(lost)} -> {host(history.attempts[0])}",
-                   "steps": f"lost at step {'unknown' if step is None else step}; "
+                   "steps": f"lost at step {registered.step_text(step)}; "
                             f"again from step 0",
                    "why": f"{why}; {where}"})
   return rows

@@ -96,6 +96,12 @@ def partway_rows(publish):
   return runs.read_jsonl(os.path.join(publish, PARTWAY_FILE))
 
 
+def step_text(step):
+  """A recorded step as the reports write it: "unknown" where a run stopped
+  before its first checkpoint."""
+  return "unknown" if step is None else str(step)
+
+
 @dataclasses.dataclass(frozen=True)
 class History:
   """A run's attempts as its host.json records them: the one reader of it.
@@ -125,7 +131,7 @@ class History:
     lost = []
     for a in self.lost:
       step, why, where = self.lost_end(a)
-      lost.append(("lost", f"at step {'unknown' if step is None else step}: {why}; {where}"))
+      lost.append(("lost", f"at step {step_text(step)}: {why}; {where}"))
     return lost + [(a.get("kind", "?"), a.get("reason") or (KILLED if self.killed(k) else ""))
                    for k, a in enumerate(self.attempts)]
 
@@ -740,7 +746,7 @@ def progress_report(protocol, out, complete, folder):
     elif run == due and own:
       # not published yet: its newest stop says where it stands and on what host
       step = own[-1].get("step")
-      state = f"part-way (step {'unknown' if step is None else step})"
+      state = f"part-way (step {step_text(step)})"
       started = own[-1].get("identity")
       kinds = [("stop", r.get("why", "")) for r in own]
     else:
